@@ -1,0 +1,111 @@
+"""Engine configuration: frozen dataclasses, one default per field, the CLI generated from them.
+
+Values found at run time (number of KV blocks, EOS ids) are not here: they live in
+:class:`atom.engine.EngineRuntime`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user sets to build an engine (vLLM's option names where one exists)."""
+
+    model: str | None = None
+    """Path of a .gguf file or a Hugging Face folder; None = embedded SmolLM2-135M-Instruct."""
+    dtype: str = "bfloat16"
+    """Run dtype of weights, activations and KV cache: bfloat16 (fast on AVX512-BF16) or float32."""
+    max_model_len: int | None = None
+    """Max tokens (prompt + output) per sequence; None = the model's context length, capped at 8192."""
+    max_num_seqs: int = 256
+    """Max sequences running in one step (batch size)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full prompt blocks computed earlier."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+    num_kv_blocks: int | None = None
+    """KV pool size in blocks; wins over kv_cache_memory."""
+    kv_cache_memory: int = 2 * 1024**3
+    """KV pool budget in bytes, used when num_kv_blocks is None (default 2 GiB)."""
+    seed: int = 0
+    """Seed of the engine's sampling generator (requests may bring their own seed)."""
+    skip_tokenizer_init: bool = False
+    """Do not load a tokenizer: prompts must be token ids and outputs carry no text."""
+    num_threads: int | None = None
+    """Torch intra-op threads; None = cores available to this process."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported: use one of {_DTYPES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be >= 1 (bytes)")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads} must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword options; unknown keys raise ``TypeError`` listing the valid ones."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(valid)}")
+        return cls(**kwargs)
+
+    def resolved_num_threads(self) -> int:
+        return self.num_threads or max(1, len(os.sched_getaffinity(0)))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per EngineConfig field; defaults and help come from the dataclass."""
+    docs = _field_docs(EngineConfig)
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.type in ("bool",) or isinstance(default, bool):
+            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                                help=docs.get(f.name))
+        else:
+            kind = {"int": int, "int | None": int, "str": str, "str | None": str}.get(str(f.type), str)
+            parser.add_argument(flag, default=default, type=kind, help=docs.get(f.name))
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal after each field) read from the class source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+    return docs
+
+
+def replace(config: EngineConfig, **changes: Any) -> EngineConfig:
+    return dataclasses.replace(config, **changes)

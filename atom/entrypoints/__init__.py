@@ -1,0 +1,1 @@
+"""User-facing surfaces: the offline ``LLM``, the CLI and the demo."""

@@ -1,0 +1,189 @@
+"""The offline ``LLM`` API (vLLM-shaped): ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import time
+import weakref
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from atom.config import EngineConfig
+from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from atom.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+_live_llms: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for llm in list(_live_llms):
+        llm.shutdown()
+
+
+class LLM:
+    """Generate text offline with one engine.
+
+    Args:
+        model: path of a .gguf file or a Hugging Face folder; None = the embedded
+            SmolLM2-135M-Instruct.
+        **engine_options: fields of :class:`atom.config.EngineConfig` (``max_model_len``,
+            ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
+            ``enable_chunked_prefill``, ``dtype``, ``seed``, ``num_kv_blocks``, ...).
+
+    Raises:
+        TypeError: an unknown option. ValueError: an invalid option value.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        from atom.engine import LLMEngine
+
+        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self._counter = itertools.count()
+        _live_llms.add(self)
+
+    # ----- public API -----
+
+    def get_tokenizer(self):
+        return self._engine.tokenizer
+
+    def get_stats(self) -> dict[str, int]:
+        """num_free_blocks, num_total_blocks, num_running, num_waiting, num_preemptions,
+        prefix_cache_queries, prefix_cache_hits (the last two in tokens)."""
+        return self._engine.get_stats()
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; returns one finished RequestOutput per prompt, in order.
+
+        Prompts are strings, lists of token ids, or ``{"prompt_token_ids": [...]}`` /
+        ``{"prompt": "..."}`` dicts. A bad prompt (empty, too long, not fitting the KV pool,
+        ids outside the vocabulary, wrong type) yields an output with ``finish_reason="error"``
+        and the others still complete.
+
+        Raises:
+            ValueError: a list of sampling params whose length differs from the prompts'.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        request_ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, params in zip(prompt_list, params_list):
+            request_id = str(next(self._counter))
+            request_ids.append(request_id)
+            try:
+                text, token_ids = self._tokenize_prompt(prompt)
+            except (TypeError, ValueError) as exc:
+                results[request_id] = _error_output(request_id, prompt, str(exc), params.n)
+                continue
+            self._engine.add_request(request_id, token_ids, params, prompt=text)
+        self._run(results, len(request_ids), use_tqdm)
+        return [results[rid] for rid in request_ids]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *,
+                            add_generation_prompt: bool = True) -> str:
+        tokenizer = self._require_tokenizer()
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    def shutdown(self) -> None:
+        """Release the engine (idempotent)."""
+        self.engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ----- helpers -----
+
+    @property
+    def _engine(self):
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        return self.engine
+
+    def _require_tokenizer(self):
+        tokenizer = self._engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this LLM was built with skip_tokenizer_init=True: pass token ids")
+        return tokenizer
+
+    def _tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), _as_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            ids = self._require_tokenizer().encode(prompt, add_special_tokens=False)
+            return prompt, list(ids)
+        return None, _as_token_ids(prompt)
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[Any]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+
+    @staticmethod
+    def _as_params_list(params: Any, num_prompts: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * num_prompts
+        params = list(params)
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts: pass "
+                             f"one SamplingParams or one per prompt")
+        return params
+
+    def _run(self, results: dict[str, RequestOutput], num_requests: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm, initial=len(results))
+        start = time.perf_counter()
+        num_output_tokens = 0
+        while len(results) < num_requests:
+            for out in self._engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s")
+        bar.close()
+
+
+def _as_token_ids(value: Any) -> list[int]:
+    if not isinstance(value, SequenceABC) or isinstance(value, str) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(value).__name__}")
+    return list(value)
+
+
+def _error_output(request_id: str, prompt: Any, message: str, n: int) -> RequestOutput:
+    outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error", error=message)
+               for i in range(n)]
+    return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                         prompt_token_ids=[], outputs=outputs, finished=True,
+                         metrics=RequestMetrics(arrival_time_s=time.monotonic()))

@@ -1,0 +1,226 @@
+"""Llama-family decoder in plain torch (gpt-fast style), over a paged KV cache.
+
+Covers Llama / SmolLM2 / Mistral-without-sliding-window: RMSNorm, rotary embeddings (Hugging
+Face ``rotate_half`` convention, so GGUF q/k rows must be un-permuted at load), grouped-query
+attention, SiLU-gated MLP, optionally tied input/output embeddings.
+
+The forward takes the flattened tokens of a mixed batch (prefill chunks and decodes): no batch
+dimension, no padding. Attention goes through :mod:`atom.kernels.attention`.
+
+Weights are fused at load (``q/k/v_proj`` → ``qkv_proj``, ``gate/up_proj`` → ``gate_up_proj``):
+one GEMM instead of three (two) per layer, which matters for small-batch decode where each GEMM
+is latency bound.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.kernels.attention import AttentionMetadata, paged_attention
+
+if TYPE_CHECKING:
+    from atom.model_loader import ModelArchConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, exactly as Hugging Face's ``LlamaRMSNorm``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rotary_cos_sin(
+    *, head_dim: int, rope_theta: float, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_positions, head_dim]`` float32 (HF default rope, no scaling).
+
+    Frequencies are computed in float32 as HF does (``inv_freq = theta ** (-2i / d)``); the
+    tables are cast to the run dtype at use, like HF's rotary embedding output.
+    """
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[T, H, D]``; cos/sin: ``[T, D]`` in x's dtype. HF ``rotate_half`` convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused QKV; reads/writes the layer's paged KV cache.
+
+    ``kv_cache`` (``[2, num_blocks, block_size, H_kv, D]``) is bound by the model runner, which
+    owns it; this module only writes the slots of the current step's tokens.
+    """
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        assert self.kv_cache is not None, "bind_kv_caches() must run before the forward"
+        out = paged_attention(q, k, v, self.kv_cache, meta, scale=self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated MLP with fused gate/up projection: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. Build with :meth:`from_state_dict`.
+
+    Owns its weights and the rotary tables; the KV caches belong to the model runner and are
+    bound with :meth:`bind_kv_caches`.
+    """
+
+    def __init__(self, config: ModelArchConfig, *, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions
+
+    @classmethod
+    def from_state_dict(
+        cls, config: ModelArchConfig, state_dict: dict[str, torch.Tensor], *,
+        dtype: torch.dtype, max_positions: int, device: torch.device | str = "cpu",
+    ) -> LlamaForCausalLM:
+        """Build the model from Hugging Face parameter names, fusing QKV and gate/up.
+
+        Args:
+            state_dict: HF names (``model.layers.N.self_attn.q_proj.weight``, ...); ``lm_head.weight``
+                is ignored when the embeddings are tied. Tensors are cast to ``dtype``.
+            max_positions: size of the rotary tables (positions ``[0, max_positions)``).
+        Raises:
+            ValueError: a missing, unexpected or wrongly shaped weight.
+        """
+        # Meta device first: skips the random init of ~100M parameters we overwrite anyway.
+        with torch.device("meta"):
+            model = cls(config, max_positions=max_positions)
+        model = model.to_empty(device=device).to(dtype)
+        params = dict(model.named_parameters())
+        for name, tensor in _fused_hf_weights(config, state_dict).items():
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} for a Llama model")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies "
+                    f"{tuple(params[name].shape)}: check the model's config")
+            params[name].data.copy_(tensor)
+            del params[name]
+        if params:
+            raise ValueError(f"missing weights: {sorted(params)[:8]}")
+        cos, sin = rotary_cos_sin(head_dim=config.head_dim, rope_theta=config.rope_theta,
+                                  max_positions=max_positions)
+        model.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        model.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+        model.requires_grad_(False)
+        return model.eval()
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each layer its ``[2, num_blocks, block_size, H_kv, D]`` cache (owned by the runner)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
+        for layer, cache in zip(self.layers, kv_caches):
+            layer.self_attn.kv_cache = cache
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 ``[T]``. Returns the final-norm hidden states ``[T, hidden]``
+        in the run dtype. Writes the new tokens' K/V (non-padding slots) to every layer's cache."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[S, hidden]`` run dtype → logits ``[S, vocab]`` float32 (GEMM in run dtype,
+        as Hugging Face does, then upcast)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def _fused_hf_weights(
+    config: ModelArchConfig, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Map HF parameter names to this module's names, concatenating q/k/v and gate/up."""
+    sd = dict(state_dict)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        try:
+            qkv = [sd.pop(f"{p}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+            gate_up = [sd.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+        except KeyError as exc:
+            raise ValueError(f"missing weight {exc.args[0]!r}") from None
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(qkv, dim=0)
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(gate_up, dim=0)
+    for name, tensor in sd.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some old checkpoints carry; we compute our own
+        out[name.removeprefix("model.")] = tensor
+    return out

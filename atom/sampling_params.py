@@ -1,0 +1,105 @@
+"""Sampling parameters of one request (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the output tokens of one request.
+
+    Every field is implemented; invalid values raise ``ValueError`` naming the field and the
+    allowed range (from ``__post_init__``), so a bad request fails before it reaches the engine.
+
+    Attributes:
+        n: number of output sequences (choices) per prompt; they share the prompt's KV blocks.
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` × the top probability.
+        presence_penalty / frequency_penalty: OpenAI penalties over output tokens, in [-2, 2].
+        repetition_penalty: CTRL-style penalty over prompt and output tokens, > 0 (1 = off).
+        max_tokens: output tokens to generate at most (None = up to max_model_len).
+        min_tokens: output tokens before EOS / stop ids / stop strings may end the sequence.
+        stop: strings that end the output when they appear in the text.
+        stop_token_ids: token ids that end the output (besides EOS).
+        include_stop_str_in_output: keep a matched stop string in the text.
+        ignore_eos: keep generating after EOS.
+        seed: per-request random seed; a seeded request's tokens do not depend on batch-mates.
+        logprobs: number of top logprobs to return per output token (sampled token included).
+        prompt_logprobs: number of top logprobs to return per prompt token.
+        skip_special_tokens: drop special tokens from the detokenized text.
+        logit_bias: token id → bias added to its logit before sampling.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+               "top_k", self.top_k, "-1, 0 (both disable) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "None or an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               "min_tokens", self.min_tokens, "an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= _MAX_LOGPROBS),
+                   name, value, f"None or an integer in [0, {_MAX_LOGPROBS}]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
+               "None or an integer")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")

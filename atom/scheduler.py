@@ -1,0 +1,327 @@
+"""Continuous-batching scheduler: chunked prefill, prefix-cache-aware admission, preemption.
+
+One ``schedule()`` call builds one step's batch under two budgets, ``max_num_seqs`` (running
+sequences) and ``max_num_batched_tokens`` (tokens computed this step). Running sequences go
+first, in arrival order: a decode takes one token, a partial prefill takes the next chunk.
+Waiting sequences are then admitted first-come-first-served while their blocks fit; admission
+reserves blocks for the sequence's current tokens (its prompt), not for ``max_tokens``, so a
+decode that finds no free block preempts the newest running sequence (recompute: its blocks are
+freed and it returns to the front of the waiting queue keeping its output tokens).
+
+The scheduler alone mutates sequence state. It imports no torch. A *prefill gate*, consulted
+once per step, may hold all prefill work (admissions and partial-prefill chunks) for a step; the
+data-parallel PrefillDelayer in ``atom.dp`` implements it. ``num_admittable`` is a
+side-effect-free dry run of the same admission function, which the PrefillDelayer gathers across
+ranks (lineage: SGLang #14201, ATOM #930).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from atom.block_manager import BlockManager
+from atom.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillGate(Protocol):
+    """Decides, once per step, whether this rank may run prefill work."""
+
+    def allow_prefill(self) -> bool: ...
+
+
+class AlwaysAllowPrefill:
+    """The single-rank gate: prefills are never held."""
+
+    def allow_prefill(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets and limits of one scheduler (copied from the engine config)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: ``scheduled`` holds (sequence, tokens to compute this step)."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefill_held: bool = False  # the gate held prefill work that could otherwise have run
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return sum(1 for seq, _ in self.scheduled if seq.is_prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every sequence's status and token counters.
+
+    Args:
+        config: budgets and limits.
+        block_manager: the rank's KV block pool (the scheduler is its only caller).
+        eos_token_ids: token ids that end a sequence unless ``ignore_eos``.
+        prefill_gate: consulted once per ``schedule()``; default never holds.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
+                 eos_token_ids: tuple[int, ...] = (), prefill_gate: PrefillGate | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefill_gate: PrefillGate = prefill_gate or AlwaysAllowPrefill()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ----- queue entry and exit -----
+
+    def add(self, seq: Sequence) -> bool:
+        """Queue ``seq``; a sequence that can never run is finished at once with ``error``.
+
+        Returns False when the sequence was rejected (``seq.error_message`` says why).
+        """
+        reason = self._never_fits(len(seq.token_ids))
+        if reason is not None:
+            self._finish(seq, FinishReason.ERROR, error_message=reason)
+            return False
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        return True
+
+    def _never_fits(self, num_tokens: int) -> str | None:
+        cfg, bm = self.config, self.block_manager
+        if num_tokens == 0:
+            return "the prompt is empty: send at least one token"
+        if num_tokens > cfg.max_model_len:
+            return (f"the prompt has {num_tokens} tokens, more than max_model_len="
+                    f"{cfg.max_model_len}: shorten it or raise max_model_len")
+        if bm.num_required_blocks(num_tokens) > bm.num_blocks:
+            return (f"the prompt needs {bm.num_required_blocks(num_tokens)} KV blocks but the "
+                    f"whole pool has {bm.num_blocks}: shorten it or raise num_kv_blocks / "
+                    f"kv_cache_memory")
+        if not cfg.enable_chunked_prefill and num_tokens > cfg.max_num_batched_tokens:
+            return (f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} with chunked prefill off: enable chunked "
+                    f"prefill or raise max_num_batched_tokens")
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End ``seq`` from outside the step (a stop string matched, or an abort)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason, stop_reason=stop_reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, stop_reason: int | str | None = None,
+                error_message: str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.error_message = error_message
+        if seq.block_table:
+            self.block_manager.free(seq)
+
+    # ----- queries -----
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_pending_prefill(self) -> bool:
+        """Waiting sequences or partial prefills exist (work the PrefillDelayer may align)."""
+        return bool(self.waiting) or any(seq.is_prefill for seq in self.running)
+
+    def num_admittable(self, cap: int) -> int:
+        """Prefills this rank could start or continue right now, at most ``cap``; no side effects.
+
+        Runs the admission rule of ``schedule()`` (same budgets, same block costs, same stop at
+        the first sequence that does not fit) on copies of the counters. Partial prefills that
+        would get a chunk count too.
+        """
+        token_budget = self.config.max_num_batched_tokens
+        num_free_blocks = self.block_manager.num_free_blocks
+        count = 0
+        for seq in self.running:
+            take = min(seq.num_uncomputed_tokens, token_budget) if seq.is_prefill else 1
+            if seq.is_prefill and take > 0:
+                count += 1
+            token_budget -= take
+        num_seqs = len(self.running)
+        for seq in self.waiting:
+            if count >= cap or token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
+                break
+            decision = self._admission(seq, token_budget, num_free_blocks)
+            if decision is None:
+                break
+            num_blocks, num_new_tokens = decision
+            num_free_blocks -= num_blocks
+            token_budget -= num_new_tokens
+            num_seqs += 1
+            count += 1
+        return min(count, cap)
+
+    def _admission(self, seq: Sequence, token_budget: int, num_free_blocks: int) -> tuple[int, int] | None:
+        """(blocks taken, tokens computed this step) if ``seq`` can be admitted now, else None.
+
+        Choices of an ``n > 1`` request wait while an earlier choice is still in prefill, so they
+        find the prompt's full blocks in the prefix cache instead of computing them again.
+        """
+        if seq.index > 0 and any(s.request_id == seq.request_id and s.is_prefill for s in self.running):
+            return None
+        num_blocks, num_cached = self.block_manager.admission_cost(seq)
+        if num_blocks > num_free_blocks:
+            return None
+        num_uncomputed = len(seq.token_ids) - num_cached
+        if not self.config.enable_chunked_prefill and num_uncomputed > token_budget:
+            return None
+        return num_blocks, min(num_uncomputed, token_budget)
+
+    # ----- the step -----
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step's batch (see the module docstring for the policy)."""
+        out = SchedulerOutput()
+        allow_prefill = self.prefill_gate.allow_prefill()
+        token_budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            seq = self.running[i]
+            if seq.is_prefill:
+                if not allow_prefill:
+                    out.prefill_held = True
+                    i += 1
+                    continue
+                num_new = min(seq.num_uncomputed_tokens, token_budget)
+            else:
+                num_new = 1
+                if not self._reserve_decode_slot(seq, out):
+                    continue  # seq left the running list (preempted or finished)
+            out.scheduled.append((seq, num_new))
+            token_budget -= num_new
+            i += 1
+        if self.waiting and not allow_prefill:
+            out.prefill_held = True
+        if allow_prefill and not out.preempted:
+            self._admit_waiting(out, token_budget)
+        return out
+
+    def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for one more token of ``seq``, preempting the newest sequences if needed."""
+        while not self.block_manager.can_append(seq):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                # alone and still out of blocks: the pool is smaller than this sequence
+                self.running.remove(seq)
+                self._finish(seq, FinishReason.LENGTH,
+                             error_message="the KV pool is full: raise num_kv_blocks / kv_cache_memory")
+                out.preempted.append(seq)
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.block_manager.append_slots(seq)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        logger.debug("preempted seq %d (%d tokens)", seq.seq_id, len(seq.token_ids))
+
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            decision = self._admission(seq, token_budget, self.block_manager.num_free_blocks)
+            if decision is None:
+                break
+            _, num_new = decision
+            self.waiting.popleft()
+            num_cached = self.block_manager.allocate(seq)
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            token_budget -= num_new
+
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int]) -> list[Sequence]:
+        """Apply one step's results: advance counters, publish computed blocks, append tokens.
+
+        Args:
+            out: the batch returned by ``schedule()`` for this step.
+            sampled_token_ids: seq_id → sampled token for each sequence that reached its end.
+        Returns:
+            The sequences that got a new token (finished ones included), in batch order.
+        """
+        updated: list[Sequence] = []
+        for seq, num_new in out.scheduled:
+            if seq.is_finished:  # finished from outside during the step
+                continue
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq)
+            token_id = sampled_token_ids.get(seq.seq_id)
+            if token_id is None:
+                continue  # mid-prompt chunk: nothing sampled
+            seq.token_ids.append(token_id)
+            updated.append(seq)
+            reason, stop_reason = self._stop_check(seq, token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason, stop_reason=stop_reason)
+        return updated
+
+    def _stop_check(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.sampling_params
+        num_output = seq.num_output_tokens
+        if num_output > params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if len(seq.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of ``request_id`` with ``abort``; frees its blocks."""
+        seqs = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return seqs

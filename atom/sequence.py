@@ -1,0 +1,106 @@
+"""Per-request state for one generated sequence.
+
+A :class:`Sequence` is the unit the scheduler and the block manager work on. Only the scheduler
+mutates it (status, ``num_computed_tokens``, appended tokens, finish fields); the block manager
+owns ``block_table``; the model runner only reads it. Torch-free on purpose.
+
+Token bookkeeping (vLLM v1 vocabulary)::
+
+    token_ids            = prompt tokens + output tokens
+    num_computed_tokens  = how many of token_ids already have KV in the cache
+    num_new_tokens       = what the scheduler asks the model to compute this step
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from atom.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the request can never run (too long, bad input)
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence of one request (a request with ``n > 1`` owns ``n`` sequences).
+
+    Attributes:
+        request_id: the request this sequence belongs to.
+        token_ids: prompt tokens followed by output tokens (ints, vocabulary ids).
+        num_prompt_tokens: length of the prompt in tokens.
+        sampling_params: the request's sampling parameters.
+        index: the choice index within the request (0 .. n-1).
+        arrival_time_s: ``time.monotonic()`` when the request arrived (set by the engine).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    index: int = 0
+    arrival_time_s: float = 0.0
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    num_prompt_tokens: int = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # number of prompt tokens whose KV came from the prefix cache at the last admission
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error_message: str | None = None
+    # per output token: {token_id: logprob} (only when sampling_params.logprobs is set)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while some prompt (or recomputed) tokens still lack KV.
+
+        After preemption the output tokens produced so far are recomputed as part of the
+        "prefill", so this compares against all tokens but the last one. A sequence that is
+        mid-chunk is a prefill, never a decode (ATOM #1318).
+        """
+        return self.num_computed_tokens == 0 or self.num_computed_tokens < len(self.token_ids) - 1
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

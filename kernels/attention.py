@@ -1,0 +1,249 @@
+"""Paged KV cache and attention over it: a torch reference and a batched decode path.
+
+Imports torch only (``atom.kernels`` sits at the bottom of the import graph).
+
+Layout (vLLM's paged KV cache)::
+
+    kv_cache (one per layer)  [2, num_blocks, block_size, num_kv_heads, head_dim]   run dtype
+        kv_cache[0] = key cache, kv_cache[1] = value cache
+
+    slot  = block_id * block_size + offset_in_block        (int64, one per new token)
+    block_table[i] = the block ids of sequence i, in token order; token j of sequence i
+                     lives in block block_table[i][j // block_size] at offset j % block_size
+
+A step's batch is flattened into ``T`` tokens. Sequence ``i`` owns the contiguous token range
+``[query_start_loc[i], query_start_loc[i+1])`` of ``query_len_i`` new tokens at positions
+``[context_len_i - query_len_i, context_len_i)``; it attends causally to all ``context_len_i``
+tokens of its own KV (earlier prefill chunks and prefix-cached blocks included), read through
+its block table. One rule covers prefill, chunked prefill and decode (``query_len_i == 1``).
+Tokens after the last sequence (``T > query_start_loc[-1]``) are padding: they write no KV
+(slot ``-1``) and their attention output is zero.
+
+Sequences are ordered decodes first: the first ``num_decodes`` sequences have ``query_len == 1``
+and go through one batched gather + masked SDPA (:func:`paged_decode_attention`); the others go
+through the per-sequence reference (:func:`paged_prefill_attention_reference`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: The one sentinel slot value: a token whose slot is ``NO_KV_WRITE_SLOT`` writes no KV. Used for
+#: dummy batches (a DP rank with no work still runs the forward) and for padding tokens.
+NO_KV_WRITE_SLOT = -1
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of a flattened batch, shared by every layer.
+
+    Attributes:
+        slot_mapping: int64 ``[T]``; the KV slot of each new token, or ``NO_KV_WRITE_SLOT``.
+        query_start_loc: int64 ``[S + 1]`` (host list); token offsets of each sequence's new
+            tokens in the flattened batch (cumulative query lengths).
+        context_lens: host list of ``S`` ints; tokens with KV after this step per sequence
+            (cached + new).
+        block_tables: int64 ``[S, max_num_blocks]``; rows padded with block 0 (never read: the
+            padded columns lie beyond ``context_len`` and are masked out).
+        num_decodes: the first ``num_decodes`` sequences have ``query_len == 1``.
+        context_lens_tensor: int64 ``[S]``, the same as ``context_lens`` on the device (used by
+            the batched decode mask).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor
+    num_decodes: int
+    context_lens_tensor: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @classmethod
+    def empty(cls, num_tokens: int = 0, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Metadata for a dummy batch of ``num_tokens`` padding tokens (no KV written or read)."""
+        return cls(
+            slot_mapping=torch.full((num_tokens,), NO_KV_WRITE_SLOT, dtype=torch.int64, device=device),
+            query_start_loc=[0],
+            context_lens=[],
+            block_tables=torch.zeros((0, 1), dtype=torch.int64, device=device),
+            num_decodes=0,
+            context_lens_tensor=torch.zeros((0,), dtype=torch.int64, device=device),
+        )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter the new tokens' keys and values into their cache slots (in place).
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, run dtype.
+        k, v: ``[T, num_kv_heads, head_dim]``, same dtype (cast if not).
+        slot_mapping: int64 ``[T]``; ``NO_KV_WRITE_SLOT`` (-1) leaves the cache untouched for
+            that token. Other values must lie in ``[0, num_blocks * block_size)``.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    valid = slot_mapping != NO_KV_WRITE_SLOT
+    # Common case (no padding): one index_copy_ per cache without a boolean gather.
+    if not bool(valid.all()):
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first ``context_len`` cached tokens of one sequence.
+
+    Args:
+        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (key or value cache).
+        block_table: int64 ``[>= ceil(context_len / block_size)]``.
+    Returns:
+        ``[context_len, num_kv_heads, head_dim]`` (a copy).
+    """
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.flatten(0, 1)[:context_len]
+
+
+def _sdpa_causal_offset(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``L_q`` queries that are the *last* ``L_q`` of ``L_k`` positions.
+
+    q: ``[L_q, H, D]``; k, v: ``[L_k, H_kv, D]`` with ``H % H_kv == 0`` (GQA). Returns
+    ``[L_q, H, D]``. SDPA's ``is_causal`` aligns the mask top-left, which is only right when
+    ``L_q == L_k``; otherwise query ``j`` may see keys ``<= L_k - L_q + j`` (bottom-right).
+    """
+    len_q, len_k = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if len_q == len_k:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
+        mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos[:, None]  # [L_q, L_k]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float, seq_range: range,
+    out: torch.Tensor,
+) -> None:
+    """Reference attention, one sequence at a time (any query lengths), into ``out``.
+
+    Args:
+        q: ``[T, H, D]``; k, v: ``[T, H_kv, D]`` the new tokens' keys/values (already written to
+            the cache). A sequence with no cached context (``query_len == context_len``) attends
+            over ``k``/``v`` directly; the others gather their context from the cache.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``.
+        seq_range: which sequences of ``meta`` to compute.
+        out: ``[T, H, D]``, written at the tokens of the sequences in ``seq_range``.
+    """
+    for i in seq_range:
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        context_len = meta.context_lens[i]
+        if end - start == context_len:
+            ks, vs = k[start:end], v[start:end]
+        else:
+            ks = gather_kv(k_cache, meta.block_tables[i], context_len)
+            vs = gather_kv(v_cache, meta.block_tables[i], context_len)
+        out[start:end] = _sdpa_causal_offset(q[start:end], ks, vs, scale=scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, *, scale: float,
+) -> torch.Tensor:
+    """Batched attention for ``S`` sequences with one new token each (decode).
+
+    Gathers every sequence's blocks padded to the longest context, masks keys at or beyond each
+    ``context_len`` and runs one SDPA. GQA is done by grouping query heads per KV head
+    (``[S, H_kv, G, D]``) instead of repeating K/V, so the gathered K/V are read once.
+
+    Args:
+        q: ``[S, H, D]`` run dtype (the token at position ``context_len - 1``).
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``.
+        block_tables: int64 ``[S, >= max_num_blocks]``; columns past the longest context are
+            ignored.
+        context_lens: int64 ``[S]``, each ``>= 1``.
+    Returns:
+        ``[S, H, D]``, run dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return q.new_empty(q.shape)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_context_len = int(context_lens.max())
+    num_blocks = -(-max_context_len // block_size)
+    table = block_tables[:, :num_blocks]
+    # [S, nb, bs, Hkv, D] -> [S, Hkv, L, D]
+    ks = k_cache[table].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    vs = v_cache[table].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    valid = torch.arange(max_context_len, device=q.device)[None, :] < context_lens[:, None]
+    mask = valid[:, None, None, :]  # [S, 1, 1, L], broadcast over KV heads and the group
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    meta: AttentionMetadata, *, scale: float,
+) -> torch.Tensor:
+    """Write the new K/V to the paged cache, then attend (mixed prefill/decode batch).
+
+    Args:
+        q: ``[T, H, D]``; k, v: ``[T, H_kv, D]``; run dtype.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` (mutated: the new tokens' slots).
+        meta: the step's :class:`AttentionMetadata` (decodes first).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+    Returns:
+        ``[T, H, D]``; zero for padding tokens.
+    """
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.zeros_like(q)
+    num_decodes = meta.num_decodes
+    if num_decodes > 0:
+        # Decodes come first, so their tokens are q[:num_decodes].
+        out[:num_decodes] = paged_decode_attention(
+            q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
+            meta.context_lens_tensor[:num_decodes], scale=scale,
+        )
+    if meta.num_seqs > num_decodes:
+        paged_prefill_attention_reference(
+            q, k, v, k_cache, v_cache, meta, scale=scale,
+            seq_range=range(num_decodes, meta.num_seqs), out=out,
+        )
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    meta: AttentionMetadata, *, scale: float,
+) -> torch.Tensor:
+    """Like :func:`paged_attention` but every sequence (decodes too) goes through the per-sequence
+    reference that gathers from the cache; the yardstick for the faster paths in tests."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.zeros_like(q)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        ks = gather_kv(k_cache, meta.block_tables[i], meta.context_lens[i])
+        vs = gather_kv(v_cache, meta.block_tables[i], meta.context_lens[i])
+        out[start:end] = _sdpa_causal_offset(q[start:end], ks, vs, scale=scale)
+    return out

@@ -1,0 +1,71 @@
+"""Offline LLM API on the real embedded model: prompt forms, bad input, stats, lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom import LLM, SamplingParams
+
+pytestmark = pytest.mark.xdist_group("embedded-model")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(max_model_len=256, num_kv_blocks=12, block_size=16) as llm:
+        yield llm
+
+
+def test_prompt_forms_agree(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    ids = llm.get_tokenizer().encode("The capital of France is", add_special_tokens=False)
+    a, b, c = llm.generate(["The capital of France is", ids, {"prompt_token_ids": ids}], params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    assert a.prompt_token_ids == ids
+    assert a.outputs[0].text and a.outputs[0].finish_reason == "length"
+    assert len(a.outputs[0].token_ids) == 8
+
+
+def test_bad_requests_fail_alone(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    good = "Hello there"
+    too_long = list(range(100, 400))  # > max_model_len (256)
+    too_big_for_pool = list(range(100, 100 + 12 * 16 + 5))  # more than the whole pool (12 blocks), under max_model_len
+    outs = llm.generate(["", too_long, [5, 10**7], good, {"bogus": 1}, good], params)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons[:3] == ["error", "error", "error"]
+    assert reasons[4] == "error"
+    assert reasons[3] == reasons[5] == "length"
+    assert "empty" in outs[0].outputs[0].error
+    assert "max_model_len" in outs[1].outputs[0].error
+    assert "vocabulary" in outs[2].outputs[0].error
+    assert len(too_big_for_pool) < 256
+    (big,) = llm.generate([too_big_for_pool], params)
+    assert big.outputs[0].finish_reason == "error" and "KV blocks" in big.outputs[0].error
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0),
+                                         ("top_k", -5), ("n", 0), ("logprobs", 100)])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_engine_option_is_an_error():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=4)
+
+
+def test_stats_keys(llm):
+    assert set(llm.get_stats()) == {"num_free_blocks", "num_total_blocks", "num_running", "num_waiting",
+                                    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits"}
+
+
+def test_shutdown_is_final():
+    llm = LLM(num_kv_blocks=8)
+    llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("hi")
