@@ -13,8 +13,9 @@ Layout of one sequence (block size 4, 10 tokens, the first two blocks full)::
 Prefix caching (lineage: vLLM's automatic prefix caching, SGLang's radix cache): every *full*
 block gets a chained hash ``H(parent_hash, tokens)`` (xxhash64 over the parent hash and the token
 ids), published only after the block's KV was computed. A new prompt walks its full blocks and
-reuses blocks whose hash *and* tokens match (the token comparison guards against hash
-collisions). The block holding a prompt's last token is never served from the cache, so every
+reuses blocks whose hash, tokens *and* parent block match (the token and parent comparisons guard
+against hash collisions: a cached block is reused only on top of the very block it was computed
+after). The block holding a prompt's last token is never served from the cache, so every
 prefill computes at least one token and produces logits.
 
 Freed blocks go to the tail of the free queue (a sequence's blocks in reverse order, so its
@@ -67,13 +68,30 @@ def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) 
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept for the collision guard
+        # (block id, generation) of the block before this one when it was hashed (None: first
+        # block); with token_ids, makes a hit independent of the hash (collision guard)
+        self.parent: tuple[int, int] | None = None
+        self.generation = 0  # bumped each time the block is handed out for new content
+
+
+class DryRunClaims:
+    """Blocks a side-effect-free dry run of admission has handed out so far.
+
+    ``revived``: cached free blocks an admission would take out of the free queue (free for the
+    next admission that hits them); ``taken``: free-queue blocks handed out as new blocks, whose
+    cached content would be evicted.
+    """
+
+    def __init__(self) -> None:
+        self.revived: set[int] = set()
+        self.taken: set[int] = set()
 
 
 class BlockManager:
@@ -132,26 +150,62 @@ class BlockManager:
             return []
         hits: list[int] = []
         parent: int | None = None
+        parent_block: tuple[int, int] | None = None
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hash_block(parent, tokens)
             block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent_block:
                 break
             hits.append(block_id)
+            parent_block = (block_id, block.generation)
         return hits
 
-    def admission_cost(self, seq: Sequence) -> tuple[int, int]:
+    def admission_cost(self, seq: Sequence, claims: DryRunClaims | None = None) -> tuple[int, int]:
         """(free blocks needed, cached tokens) to give ``seq`` blocks for all its tokens.
 
         Cached blocks with ref count 0 sit in the free queue, so taking them also costs a free
-        block; cached blocks already in use cost nothing.
+        block; cached blocks already in use cost nothing. With ``claims``, the cost is the one
+        ``seq`` would have after the dry run's earlier claims (see :meth:`claim`).
         """
-        hits = self.find_cached_blocks(seq)
+        hits = self._hits(seq, claims)
         num_new = self.num_required_blocks(len(seq.token_ids)) - len(hits)
-        num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0
+                          and (claims is None or b not in claims.revived))
         return num_new + num_revived, len(hits) * self.block_size
+
+    def num_unclaimed_free_blocks(self, claims: DryRunClaims) -> int:
+        return self.num_free_blocks - len(claims.revived) - len(claims.taken)
+
+    def claim(self, seq: Sequence, claims: DryRunClaims) -> None:
+        """Record in ``claims`` the blocks ``allocate(seq)`` would take; changes nothing else."""
+        hits = self._hits(seq, claims)
+        claims.revived.update(b for b in hits if self.blocks[b].ref_count == 0)
+        self.claim_new_blocks(self.num_required_blocks(len(seq.token_ids)) - len(hits), claims)
+
+    def claim_new_blocks(self, num_blocks: int, claims: DryRunClaims) -> None:
+        """Record in ``claims`` the ``num_blocks`` free-queue blocks the next allocations take."""
+        if num_blocks <= 0:
+            return
+        for block_id in self.free_queue:
+            if block_id not in claims.revived and block_id not in claims.taken:
+                claims.taken.add(block_id)
+                num_blocks -= 1
+                if num_blocks == 0:
+                    return
+        raise RuntimeError("dry run claimed more blocks than are free")
+
+    def _hits(self, seq: Sequence, claims: DryRunClaims | None) -> list[int]:
+        hits = self.find_cached_blocks(seq)
+        if claims is not None:
+            for i, block_id in enumerate(hits):
+                if block_id in claims.taken:  # a claimed allocation would evict it: chain ends
+                    return hits[:i]
+        return hits
 
     # ----- mutations -----
 
@@ -204,25 +258,42 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= num_hashed:
             return
-        parent = self.blocks[seq.block_table[num_hashed - 1]].block_hash if num_hashed else None
-        first_parent = parent
-        stored: list[int] = []
+        prev = self.blocks[seq.block_table[num_hashed - 1]] if num_hashed else None
+        parent = prev.block_hash if prev is not None else None
+        link = self._canonical_link(prev) if prev is not None else None
+        # one event per run of consecutive newly published blocks, so that each event's parent
+        # and tokens match its hashes (blocks another sequence published first are skipped)
+        runs: list[BlockStored] = []
+        last_stored = None
         for i in range(num_hashed, num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hash_block(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
-                block.block_hash, block.token_ids = block_hash, tokens
+                block.block_hash, block.token_ids, block.parent = block_hash, tokens, link
                 # first writer wins: an identical block computed twice keeps the older entry
                 if block_hash not in self.hash_to_block:
                     self.hash_to_block[block_hash] = block.block_id
-                    stored.append(block_hash)
-            parent = block_hash
+                    if runs and last_stored == i - 1:
+                        runs[-1].block_hashes.append(block_hash)
+                        runs[-1].token_ids.extend(tokens)
+                    else:
+                        runs.append(BlockStored([block_hash], parent, list(tokens), self.block_size))
+                    last_stored = i
+            parent, link = block_hash, self._canonical_link(block)
         self._num_hashed_blocks[seq.seq_id] = num_full
-        if stored:
-            self.events.append(BlockStored(stored, first_parent,
-                                           list(seq.token_ids[num_hashed * self.block_size : num_full * self.block_size]),
-                                           self.block_size))
+        self.events.extend(runs)
+
+    def _canonical_link(self, block: Block) -> tuple[int, int]:
+        """(id, generation) a following block records as its parent: the indexed block with the
+        same content as ``block`` when there is one (a duplicate computed concurrently), so that
+        later blocks stay reachable from the cached chain."""
+        other_id = self.hash_to_block.get(block.block_hash) if block.block_hash is not None else None
+        if other_id is not None:
+            other = self.blocks[other_id]
+            if other.token_ids == block.token_ids and other.parent == block.parent:
+                block = other
+        return block.block_id, block.generation
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks reaching ref count 0 go to the free queue tail."""
@@ -240,7 +311,7 @@ class BlockManager:
         if self.num_used_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = block.token_ids = None
+            block.block_hash = block.token_ids = block.parent = None
         self.hash_to_block.clear()
         self.events.append(AllBlocksCleared())
         return True
@@ -269,6 +340,7 @@ class BlockManager:
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
                 self.events.append(BlockRemoved([block.block_hash]))
-            block.block_hash = block.token_ids = None
+            block.block_hash = block.token_ids = block.parent = None
+        block.generation += 1
         block.ref_count = 1
         return block_id

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from atom.block_manager import BlockManager
+from atom.block_manager import BlockManager, DryRunClaims
 from atom.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -165,45 +165,81 @@ class Scheduler:
 
         Runs the admission rule of ``schedule()`` (same budgets, same block costs, same stop at
         the first sequence that does not fit) on copies of the counters. Partial prefills that
-        would get a chunk count too.
+        would get a chunk count too. Blocks the step would hand out (decode growth, earlier
+        admissions: revived prefix blocks, evictions) are tracked as :class:`DryRunClaims`, and
+        choices admitted earlier in the dry run hold back their siblings, as in ``schedule()``.
+        A decode that would have to preempt ends the dry run: ``schedule()`` admits nothing in a
+        step that preempts (partial prefills behind that decode are not counted).
         """
+        bm = self.block_manager
+        claims = DryRunClaims()
         token_budget = self.config.max_num_batched_tokens
-        num_free_blocks = self.block_manager.num_free_blocks
         count = 0
         for seq in self.running:
-            take = min(seq.num_uncomputed_tokens, token_budget) if seq.is_prefill else 1
-            if seq.is_prefill and take > 0:
+            if token_budget <= 0:
+                break
+            if seq.is_prefill:
                 count += 1
-            token_budget -= take
+                token_budget -= min(seq.num_uncomputed_tokens, token_budget)
+                continue
+            num_new_blocks = bm.num_required_blocks(len(seq.token_ids)) - len(seq.block_table)
+            if num_new_blocks > bm.num_unclaimed_free_blocks(claims):
+                return min(count, cap)
+            bm.claim_new_blocks(num_new_blocks, claims)
+            token_budget -= 1
+        prefilling = self._prefilling()
         num_seqs = len(self.running)
         for seq in self.waiting:
             if count >= cap or token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
                 break
-            decision = self._admission(seq, token_budget, num_free_blocks)
+            decision = self._admission(seq, token_budget, claims=claims, prefilling=prefilling)
             if decision is None:
                 break
-            num_blocks, num_new_tokens = decision
-            num_free_blocks -= num_blocks
+            num_cached, num_new_tokens = decision
+            bm.claim(seq, claims)
+            if num_cached < max(seq.num_prompt_tokens, len(seq.token_ids) - 1):  # as is_prefill
+                prefilling[seq.request_id] = min(prefilling.get(seq.request_id, num_cached), num_cached)
             token_budget -= num_new_tokens
             num_seqs += 1
             count += 1
         return min(count, cap)
 
-    def _admission(self, seq: Sequence, token_budget: int, num_free_blocks: int) -> tuple[int, int] | None:
-        """(blocks taken, tokens computed this step) if ``seq`` can be admitted now, else None.
+    def _admission(self, seq: Sequence, token_budget: int, *, claims: DryRunClaims | None = None,
+                   prefilling: dict[str, int] | None = None) -> tuple[int, int] | None:
+        """(cached tokens, tokens computed this step) if ``seq`` can be admitted now, else None.
 
-        Choices of an ``n > 1`` request wait while an earlier choice is still in prefill, so they
-        find the prompt's full blocks in the prefix cache instead of computing them again.
+        Choices of an ``n > 1`` request wait while an earlier choice in prefill has not yet
+        computed the prompt's full blocks, so they find them in the prefix cache instead of
+        computing them again. ``claims`` and ``prefilling`` (see :meth:`_prefilling`) carry the
+        state of ``num_admittable``'s dry run; by default the live state is used.
         """
-        if seq.index > 0 and any(s.request_id == seq.request_id and s.is_prefill for s in self.running):
-            return None
-        num_blocks, num_cached = self.block_manager.admission_cost(seq)
+        bm = self.block_manager
+        if seq.index > 0:
+            prefilling = self._prefilling() if prefilling is None else prefilling
+            num_cacheable = (len(seq.token_ids) - 1) // bm.block_size * bm.block_size
+            if prefilling.get(seq.request_id, num_cacheable) < num_cacheable:
+                return None
+        num_blocks, num_cached = bm.admission_cost(seq, claims)
+        num_free_blocks = bm.num_free_blocks if claims is None else bm.num_unclaimed_free_blocks(claims)
         if num_blocks > num_free_blocks:
             return None
         num_uncomputed = len(seq.token_ids) - num_cached
-        if not self.config.enable_chunked_prefill and num_uncomputed > token_budget:
+        # chunking off: a prompt must fit one step (add() rejects longer ones); a preempted
+        # sequence that outgrew the whole budget with its output tokens is recomputed in chunks
+        # rather than waiting forever at the front of the queue
+        if (not self.config.enable_chunked_prefill and num_uncomputed > token_budget
+                and len(seq.token_ids) <= self.config.max_num_batched_tokens):
             return None
-        return num_blocks, min(num_uncomputed, token_budget)
+        return num_cached, min(num_uncomputed, token_budget)
+
+    def _prefilling(self) -> dict[str, int]:
+        """request id -> fewest computed tokens among its running sequences in prefill."""
+        prefilling: dict[str, int] = {}
+        for s in self.running:
+            if s.is_prefill:
+                prefilling[s.request_id] = min(prefilling.get(s.request_id, s.num_computed_tokens),
+                                               s.num_computed_tokens)
+        return prefilling
 
     # ----- the step -----
 
@@ -265,7 +301,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            decision = self._admission(seq, token_budget, self.block_manager.num_free_blocks)
+            decision = self._admission(seq, token_budget)
             if decision is None:
                 break
             _, num_new = decision

@@ -97,9 +97,11 @@ class Sequence:
 
         After preemption the output tokens produced so far are recomputed as part of the
         "prefill", so this compares against all tokens but the last one. A sequence that is
-        mid-chunk is a prefill, never a decode (ATOM #1318).
+        mid-chunk is a prefill, never a decode (ATOM #1318): with one prompt token left
+        (``num_computed_tokens == len - 1`` before any output token exists, e.g. after a chunk or
+        a prefix-cache hit) it is still a prefill, hence the comparison with the prompt length.
         """
-        return self.num_computed_tokens == 0 or self.num_computed_tokens < len(self.token_ids) - 1
+        return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
 
     @property
     def num_uncomputed_tokens(self) -> int:
