@@ -2,7 +2,8 @@
 
 Three sources, one result (Hugging Face parameter names, the run dtype):
 
-- ``None``: the embedded SmolLM2-135M-Instruct GGUF (:func:`atom.embedded_model.ensure_embedded_gguf`);
+- ``None``: the embedded SmolLM2-135M-Instruct GGUF
+  (:func:`atom.embedded_model.ensure_embedded_gguf`);
 - a path to a ``.gguf`` file (llama architecture), read with the ``gguf`` package;
 - a Hugging Face folder (``config.json`` + ``*.safetensors``, ``LlamaForCausalLM``).
 
@@ -133,7 +134,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> pathlib.Path:
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a folder")
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"model folder {path} has no config.json; pass a Hugging Face model folder")
+        raise ValueError(
+            f"model folder {path} has no config.json; pass a Hugging Face model folder")
     return path.resolve()
 
 
@@ -210,7 +212,9 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
 
 
-def _dequantize_gguf(reader, config: ModelArchConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _dequantize_gguf(
+    reader, config: ModelArchConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     state_dict: dict[str, torch.Tensor] = {}
@@ -234,7 +238,8 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    cache_file = cache_dir() / "weights" / f"{_file_cache_key(path)}-{_dtype_name(dtype)}.safetensors"
+    name = f"{_file_cache_key(path)}-{_dtype_name(dtype)}.safetensors"
+    cache_file = cache_dir() / "weights" / name
     if use_cache and cache_file.is_file():
         with safe_open(str(cache_file), framework="pt") as f:
             meta = f.metadata() or {}
@@ -253,7 +258,9 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
     return config, state_dict
 
 
-def _save_atomically(target: pathlib.Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+def _save_atomically(
+    target: pathlib.Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> None:
     """Write a safetensors file via a temp file in the same folder + ``os.replace`` (atomic),
     so a concurrent reader (another rank) never sees a partial file."""
     from safetensors.torch import save_file

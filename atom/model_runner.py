@@ -201,7 +201,8 @@ class ModelRunner:
             num_decodes=sum(1 for _, n in order if n == 1),
             context_lens_tensor=as_tensor(context_lens),
         )
-        sampled = [seq.seq_id for seq, n in scheduled if seq.num_computed_tokens + n == len(seq.token_ids)]
+        sampled = [seq.seq_id for seq, n in scheduled
+                   if seq.num_computed_tokens + n == len(seq.token_ids)]
         return _Batch(
             input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
             sample_rows=[last_row[s] for s in sampled], sampled_seq_ids=sampled,

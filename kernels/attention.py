@@ -42,8 +42,8 @@ class AttentionMetadata:
 
     Attributes:
         slot_mapping: int64 ``[T]``; the KV slot of each new token, or ``NO_KV_WRITE_SLOT``.
-        query_start_loc: int64 ``[S + 1]`` (host list); token offsets of each sequence's new
-            tokens in the flattened batch (cumulative query lengths).
+        query_start_loc: host list of ``S + 1`` ints; token offsets of each sequence's new
+            tokens in the flattened batch (cumulative query lengths, starting at 0).
         context_lens: host list of ``S`` ints; tokens with KV after this step per sequence
             (cached + new).
         block_tables: int64 ``[S, max_num_blocks]``; rows padded with block 0 (never read: the
@@ -68,7 +68,8 @@ class AttentionMetadata:
     def empty(cls, num_tokens: int = 0, device: torch.device | str = "cpu") -> AttentionMetadata:
         """Metadata for a dummy batch of ``num_tokens`` padding tokens (no KV written or read)."""
         return cls(
-            slot_mapping=torch.full((num_tokens,), NO_KV_WRITE_SLOT, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((num_tokens,), NO_KV_WRITE_SLOT, dtype=torch.int64,
+                                    device=device),
             query_start_loc=[0],
             context_lens=[],
             block_tables=torch.zeros((0, 1), dtype=torch.int64, device=device),
@@ -127,14 +128,18 @@ def _sdpa_causal_offset(
     ``L_q == L_k``; otherwise query ``j`` may see keys ``<= L_k - L_q + j`` (bottom-right).
     """
     len_q, len_k = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # A leading batch dim of 1: with 3-D inputs the CPU SDPA takes its math path, with 4-D the
+    # flash kernel (5x faster at 1k tokens).
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if len_q == len_k:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=True)
     else:
         q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
         mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos[:, None]  # [L_q, L_k]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
 
 
 def paged_prefill_attention_reference(
@@ -189,10 +194,13 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     max_context_len = int(context_lens.max())
     num_blocks = -(-max_context_len // block_size)
-    table = block_tables[:, :num_blocks]
-    # [S, nb, bs, Hkv, D] -> [S, Hkv, L, D]
-    ks = k_cache[table].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
-    vs = v_cache[table].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    # index_select on the flattened table: ~20x faster on CPU than advanced indexing with a
+    # 2-D index (k_cache[table]), which dominated the decode step.
+    table = block_tables[:, :num_blocks].flatten()
+    gathered_shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    # [S * nb, bs, Hkv, D] -> [S, L, Hkv, D] -> [S, Hkv, L, D]
+    ks = k_cache.index_select(0, table).view(gathered_shape)[:, :max_context_len].transpose(1, 2)
+    vs = v_cache.index_select(0, table).view(gathered_shape)[:, :max_context_len].transpose(1, 2)
     valid = torch.arange(max_context_len, device=q.device)[None, :] < context_lens[:, None]
     mask = valid[:, None, None, :]  # [S, 1, 1, L], broadcast over KV heads and the group
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
@@ -218,6 +226,7 @@ def paged_attention(
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.zeros_like(q)
     num_decodes = meta.num_decodes
+    assert meta.query_start_loc[num_decodes] == num_decodes, "decodes must come first"
     if num_decodes > 0:
         # Decodes come first, so their tokens are q[:num_decodes].
         out[:num_decodes] = paged_decode_attention(

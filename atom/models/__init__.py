@@ -1,4 +1,4 @@
-"""Model implementations, looked up by architecture name (Hugging Face ``architectures`` spelling)."""
+"""Model implementations, looked up by architecture name (as in HF ``config.architectures``)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,8 @@ def rotary_cos_sin(
     Frequencies are computed in float32 as HF does (``inv_freq = theta ** (-2i / d)``); the
     tables are cast to the run dtype at use, like HF's rotary embedding output.
     """
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope_theta ** exponents)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -134,7 +135,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
@@ -148,8 +150,9 @@ class LlamaForCausalLM(nn.Module):
         """Build the model from Hugging Face parameter names, fusing QKV and gate/up.
 
         Args:
-            state_dict: HF names (``model.layers.N.self_attn.q_proj.weight``, ...); ``lm_head.weight``
-                is ignored when the embeddings are tied. Tensors are cast to ``dtype``.
+            state_dict: HF names (``model.layers.N.self_attn.q_proj.weight``, ...);
+                ``lm_head.weight`` is ignored when the embeddings are tied. Tensors are cast to
+                ``dtype``.
             max_positions: size of the rotary tables (positions ``[0, max_positions)``).
         Raises:
             ValueError: a missing, unexpected or wrongly shaped weight.
@@ -178,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         return model.eval()
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give each layer its ``[2, num_blocks, block_size, H_kv, D]`` cache (owned by the runner)."""
+        """Bind each layer's ``[2, num_blocks, block_size, H_kv, D]`` KV cache (runner-owned)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         for layer, cache in zip(self.layers, kv_caches):
@@ -190,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int64 ``[T]``. Returns the final-norm hidden states ``[T, hidden]``
         in the run dtype. Writes the new tokens' K/V (non-padding slots) to every layer's cache."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos = self.rope_cos.index_select(0, positions)
+        sin = self.rope_sin.index_select(0, positions)
         for layer in self.layers:
             x = layer(x, cos, sin, attn_metadata)
         return self.norm(x)

@@ -1,0 +1,171 @@
+"""Paged attention kernels against dense causal SDPA on random data (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atom.kernels.attention import (
+    NO_KV_WRITE_SLOT,
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_reference,
+    paged_decode_attention,
+    write_kv,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
+SCALE = HEAD_DIM ** -0.5
+
+
+class _Seq:
+    """One sequence's full K/V/Q history; its blocks are taken from a shuffled pool."""
+
+    def __init__(self, length: int, free_blocks: list[int], gen: torch.Generator) -> None:
+        self.q = torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen)
+        self.k = torch.randn(length, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        self.v = torch.randn(length, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        self.block_table = [free_blocks.pop() for _ in range(-(-length // BLOCK_SIZE))]
+
+    def slots(self, start: int, end: int) -> list[int]:
+        table = self.block_table
+        return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+
+    def dense_out(self, start: int, end: int) -> torch.Tensor:
+        """Dense causal attention over the whole history, rows [start, end)."""
+        k = self.k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        v = self.v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        out = F.scaled_dot_product_attention(
+            self.q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            scale=SCALE)
+        return out.transpose(0, 1)[start:end]
+
+
+def _kv_cache() -> torch.Tensor:
+    return torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+
+def _fill(cache: torch.Tensor, seq: _Seq, end: int) -> None:
+    """Write tokens [0, end) of seq (its cached context) into the cache."""
+    write_kv(cache[0], cache[1], seq.k[:end], seq.v[:end], torch.tensor(seq.slots(0, end)))
+
+
+def _step(seqs_and_ranges: list[tuple[_Seq, int, int]], num_padding: int = 0):
+    """Flatten a step where seq i computes tokens [start, end); returns q, k, v, metadata."""
+    q, k, v, slots, qsl, ctx, tables = [], [], [], [], [0], [], []
+    for seq, start, end in seqs_and_ranges:
+        q.append(seq.q[start:end]); k.append(seq.k[start:end]); v.append(seq.v[start:end])
+        slots += seq.slots(start, end)
+        qsl.append(qsl[-1] + end - start)
+        ctx.append(end)
+        tables.append(seq.block_table)
+    width = max(len(t) for t in tables)
+    pad = lambda n, *rest: torch.zeros(n, *rest)  # noqa: E731
+    q = torch.cat(q + [pad(num_padding, NUM_HEADS, HEAD_DIM)])
+    k = torch.cat(k + [pad(num_padding, NUM_KV_HEADS, HEAD_DIM)])
+    v = torch.cat(v + [pad(num_padding, NUM_KV_HEADS, HEAD_DIM)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots + [NO_KV_WRITE_SLOT] * num_padding),
+        query_start_loc=qsl, context_lens=ctx,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=_num_leading_decodes(qsl),
+        context_lens_tensor=torch.tensor(ctx),
+    )
+    return q, k, v, meta
+
+
+def _num_leading_decodes(query_start_loc: list[int]) -> int:
+    n = 0
+    while n + 1 < len(query_start_loc) and query_start_loc[n + 1] == n + 1:
+        n += 1
+    return n
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def free_blocks(gen) -> list[int]:
+    # Shuffled so block tables are non-contiguous, as after real allocation and frees.
+    return torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+
+
+def test_write_kv_places_tokens_and_skips_no_write_slot(gen):
+    cache = _kv_cache()
+    k = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    slots = torch.tensor([5, NO_KV_WRITE_SLOT, 2 * BLOCK_SIZE + 1])
+    write_kv(cache[0], cache[1], k, v, slots)
+    assert torch.equal(cache[0, 1, 1], k[0]) and torch.equal(cache[1, 1, 1], v[0])
+    assert torch.equal(cache[0, 2, 1], k[2]) and torch.equal(cache[1, 2, 1], v[2])
+    written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    written[[5, 2 * BLOCK_SIZE + 1]] = True
+    flat = cache.flatten(1, 2)  # [2, slots, Hkv, D]
+    assert flat[:, ~written].abs().sum() == 0  # the -1 token wrote nothing (nor wrapped to the end)
+
+
+def test_write_kv_all_padding_writes_nothing(gen):
+    cache = _kv_cache()
+    k = torch.randn(4, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    write_kv(cache[0], cache[1], k, k, torch.full((4,), NO_KV_WRITE_SLOT))
+    assert cache.abs().sum() == 0
+
+
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_reference])
+def test_full_prefill_matches_dense(fn, gen, free_blocks):
+    seqs = [_Seq(n, free_blocks, gen) for n in (7, 13, 1)]
+    q, k, v, meta = _step([(s, 0, len(s.q)) for s in seqs])
+    out = fn(q, k, v, _kv_cache(), meta, scale=SCALE)
+    expected = torch.cat([s.dense_out(0, len(s.q)) for s in seqs])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_reference])
+def test_mixed_batch_with_cached_context_matches_dense(fn, gen, free_blocks):
+    """Decodes, a second prefill chunk over an earlier chunk, a prefix-cached prompt and a fresh
+    prompt in one step, plus padding tokens at the end."""
+    decode_a, decode_b = _Seq(9, free_blocks, gen), _Seq(17, free_blocks, gen)
+    chunked, fresh = _Seq(21, free_blocks, gen), _Seq(5, free_blocks, gen)
+    cache = _kv_cache()
+    _fill(cache, decode_a, 8)
+    _fill(cache, decode_b, 16)
+    _fill(cache, chunked, 10)  # first chunk (not block aligned) computed in an earlier step
+    step = [(decode_a, 8, 9), (decode_b, 16, 17), (chunked, 10, 21), (fresh, 0, 5)]
+    q, k, v, meta = _step(step, num_padding=3)
+    out = fn(q, k, v, cache, meta, scale=SCALE)
+    expected = torch.cat([s.dense_out(a, b) for s, a, b in step])
+    torch.testing.assert_close(out[:-3], expected, atol=1e-5, rtol=1e-5)
+    assert out[-3:].abs().sum() == 0  # padding tokens attend to nothing
+    # After the step the cache holds every sequence's full history.
+    for s in (decode_a, decode_b, chunked, fresh):
+        slots = torch.tensor(s.slots(0, len(s.k)))
+        torch.testing.assert_close(cache[0].flatten(0, 1)[slots], s.k)
+        torch.testing.assert_close(cache[1].flatten(0, 1)[slots], s.v)
+
+
+def test_batched_decode_equals_reference(gen, free_blocks):
+    lengths = [1, 3, 4, 5, 16, 31]
+    seqs = [_Seq(n, free_blocks, gen) for n in lengths]
+    cache = _kv_cache()
+    for s in seqs:
+        _fill(cache, s, len(s.k))
+    q, k, v, meta = _step([(s, len(s.q) - 1, len(s.q)) for s in seqs])
+    batched = paged_decode_attention(q, cache[0], cache[1], meta.block_tables,
+                                     meta.context_lens_tensor, scale=SCALE)
+    reference = paged_attention_reference(q, k, v, cache.clone(), meta, scale=SCALE)
+    torch.testing.assert_close(batched, reference, atol=1e-6, rtol=1e-5)
+    expected = torch.cat([s.dense_out(len(s.q) - 1, len(s.q)) for s in seqs])
+    torch.testing.assert_close(batched, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dummy_batch_writes_nothing():
+    cache = _kv_cache()
+    for num_tokens in (0, 3):
+        q = torch.ones(num_tokens, NUM_HEADS, HEAD_DIM)
+        k = torch.ones(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        out = paged_attention(q, k, k, cache, AttentionMetadata.empty(num_tokens), scale=SCALE)
+        assert out.shape == q.shape and out.abs().sum() == 0
+    assert cache.abs().sum() == 0
