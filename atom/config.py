@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-_DTYPES = ("bfloat16", "float32")
+_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,10 @@ class EngineConfig:
 
     model: str | None = None
     """Path of a .gguf file or a Hugging Face folder; None = embedded SmolLM2-135M-Instruct."""
-    dtype: str = "bfloat16"
-    """Run dtype of weights, activations and KV cache: bfloat16 (fast on AVX512-BF16) or float32."""
+    dtype: str = "auto"
+    """Run dtype of weights, activations and KV cache: bfloat16, float32, or auto = bfloat16 when
+    the CPU has native bf16 matmuls (AVX512-BF16 or AMX), else float32 (bf16 matmuls are 6-9x
+    slower than fp32 on an AVX2-only CPU)."""
     max_model_len: int | None = None
     """Max tokens (prompt + output) per sequence; None = the model's context length, capped at 8192."""
     max_num_seqs: int = 256
@@ -70,8 +72,24 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(valid)}")
         return cls(**kwargs)
 
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name ("bfloat16" or "float32") this config runs with."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+
     def resolved_num_threads(self) -> int:
         return self.num_threads or max(1, len(os.sched_getaffinity(0)))
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX-BF16 flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -24,12 +24,12 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     t0 = time.perf_counter()
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, num_kv_blocks=256)
     print(f"engine started in {time.perf_counter() - t0:.1f} s")
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         num_tokens += len(completion.token_ids)
         print(f"\n>>> {question}\n{completion.text.strip()}  [{completion.finish_reason}]")
     print(f"\n{len(outputs)} prompts, {num_tokens} output tokens in {elapsed:.2f} s: "
-          f"{num_tokens / elapsed:.1f} output tokens/s (batch, {args.dtype})")
+          f"{num_tokens / elapsed:.1f} output tokens/s (batch, {llm.config.resolved_dtype()})")
     llm.shutdown()
 
 
