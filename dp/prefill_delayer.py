@@ -1,0 +1,267 @@
+"""PrefillDelayer: cross-rank prefill alignment (DESIGN.md, "PrefillDelayer").
+
+With expert parallelism every rank runs the same MoE collectives in every step, so a step lasts
+as long as its slowest rank. A rank that prefills while the others decode stretches everyone's
+step to a prefill's length for one rank's benefit; prefills that start in the same step on every
+rank share that cost. The delayer therefore holds prefills on all ranks while only some of the
+ranks with pending prefill work could admit one, for a bounded number of ticks.
+
+Per tick, each rank computes its inputs from the scheduler's own admission dry run
+(:meth:`PrefillDelayer.local_inputs`), the control sync gathers them (:mod:`atom.dp.sync`), and
+:meth:`PrefillDelayer.decide` turns the gathered values into one decision, identical on every
+rank; the scheduler then reads it through the prefill gate (:meth:`allow_prefill`). A rank is
+*ready* when ``num_admittable >= 1`` (``>= 2`` with TBO on: a split needs two prefills).
+
+================  ===============================================================  =========
+status            condition (over the gathered ranks)                              decision
+================  ===============================================================  =========
+``none``          no rank is ready: nothing to align                               allow
+``all``           every rank with pending prefill work is ready (ranks without     allow
+                  pending work have nothing to align and hold no one)
+``mixed``         some ranks with pending work are ready, others are not           hold …
+  ↳ watermark     … unless a ready rank's KV usage is below the low watermark      allow
+  ↳ timeout       … unless ``max_delay_passes`` holds ran back to back             allow
+================  ===============================================================  =========
+
+The hold counter resets on every allow, so no hold lasts more than ``max_delay_passes`` ticks.
+
+Lineage: SGLang #14201 / #16269, ATOM #930 / #1017. Failure modes designed out: per-rank wall
+clocks (SGLang #30521; here every input is gathered and the only state is a tick counter that
+evolves identically on every rank); unbounded holds and never-decaying inputs (SGLang #32880;
+holds are bounded, inputs are recomputed every tick); readiness that differs from admission
+(SGLang #31835, ATOM #930; inputs come from ``Scheduler.num_admittable``, the dry run of the
+scheduler's own admission).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from atom.dp.groups import rank_logger
+from atom.dp.sync import GatheredControl, kv_usage_to_ppm
+
+logger = logging.getLogger(__name__)
+
+# num_admittable is capped: readiness needs at most 2, and a small cap keeps the dry run short
+MAX_NUM_ADMITTABLE = 4
+
+
+@dataclass(frozen=True)
+class PrefillDelayerConfig:
+    """Settings of the delayer (identical on every rank; the CLI flags map one to one).
+
+    Attributes:
+        enabled: hold prefills at all (``--prefill-delayer``; on when DP > 1). A disabled
+            delayer still classifies every tick (for metrics) but always allows.
+        max_delay_passes: most consecutive ticks a ``mixed`` hold may last before it is
+            released (``timeout``). 30 ticks is a few decode steps' worth of TTFT at most.
+        kv_low_watermark: KV usage fraction in (0, 1); a ready rank below it releases a hold
+            (its pool is underused, so waiting wastes capacity). None (default) turns it off.
+        tbo_enabled: two-batch overlap is on, so readiness needs 2 admittable prefills.
+        log_every_n_decisions: log the counters every N decisions at INFO; None never.
+    Raises:
+        ValueError: from ``__post_init__`` for a value out of range.
+    """
+
+    enabled: bool = True
+    max_delay_passes: int = 30
+    kv_low_watermark: float | None = None
+    tbo_enabled: bool = False
+    log_every_n_decisions: int | None = 1000
+
+    def __post_init__(self):
+        if (isinstance(self.max_delay_passes, bool) or not isinstance(self.max_delay_passes, int)
+                or self.max_delay_passes < 1):
+            raise ValueError(f"max_delay_passes={self.max_delay_passes!r}: use an integer >= 1 "
+                             f"(or disable the delayer)")
+        if self.kv_low_watermark is not None and not 0.0 < self.kv_low_watermark < 1.0:
+            raise ValueError(f"kv_low_watermark={self.kv_low_watermark!r}: use a fraction in "
+                             f"(0, 1), or None to turn the valve off")
+        if self.log_every_n_decisions is not None and self.log_every_n_decisions < 1:
+            raise ValueError(f"log_every_n_decisions={self.log_every_n_decisions!r}: use an "
+                             f"integer >= 1, or None to never log")
+
+
+class AlignmentStatus(enum.Enum):
+    NONE = "none"
+    ALL = "all"
+    MIXED = "mixed"
+
+
+class DecisionReason(enum.Enum):
+    """Why the tick allowed or held prefills (the values are the counter names)."""
+
+    ALLOW_NONE = "allow_none"
+    ALLOW_ALL = "allow_all"
+    HOLD = "hold"
+    TIMEOUT = "timeout"
+    WATERMARK = "watermark"
+    DISABLED = "disabled"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One tick's decision (identical on every rank)."""
+
+    reason: DecisionReason
+    status: AlignmentStatus
+    num_ready_ranks: int
+    num_pending_ranks: int  # ranks with pending prefill work
+    num_consecutive_holds: int  # holds in a row up to and including this tick (0 on allow)
+
+    @property
+    def allow(self) -> bool:
+        return self.reason is not DecisionReason.HOLD
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """This rank's delayer fields of the control vector (see :class:`atom.dp.sync.ControlState`)."""
+
+    num_admittable: int
+    has_pending_prefill: bool
+    kv_usage_ppm: int
+    kv_below_low_watermark: bool
+
+
+class _KVPool(Protocol):
+    @property
+    def kv_usage(self) -> float: ...
+
+
+class AdmissionSource(Protocol):
+    """What the delayer reads from a rank's scheduler (``atom.scheduler.Scheduler``)."""
+
+    block_manager: _KVPool
+
+    def num_admittable(self, cap: int) -> int: ...
+
+    def has_pending_prefill(self) -> bool: ...
+
+
+class PrefillDelayer:
+    """The DP prefill gate of one rank: owns the hold counter and the decision counters.
+
+    Implements ``atom.scheduler.PrefillGate``. Call :meth:`decide` once per tick with the
+    gathered control values, before ``schedule()``; ``schedule()`` then calls
+    :meth:`allow_prefill`. Its state is a pure function of the sequence of gathered values, so
+    it is identical on every rank.
+    """
+
+    def __init__(self, config: PrefillDelayerConfig, *, dp_rank: int = 0):
+        self.config = config
+        self._log = rank_logger(logger, dp_rank)
+        self._decision: Decision | None = None
+        self._num_consecutive_holds = 0
+        self._max_consecutive_holds = 0
+        self._num_decisions = 0
+        self._num_ready_ticks = 0
+        self._num_mixed_ticks = 0
+        self._counts: Counter[DecisionReason] = Counter()
+
+    @property
+    def min_num_admittable(self) -> int:
+        """``num_admittable`` a rank needs to be ready (2 with TBO: a split needs two)."""
+        return 2 if self.config.tbo_enabled else 1
+
+    @property
+    def last_decision(self) -> Decision | None:
+        return self._decision
+
+    def local_inputs(self, scheduler: AdmissionSource) -> PrefillInputs:
+        """This rank's inputs, from the scheduler's side-effect-free admission dry run."""
+        kv_usage = scheduler.block_manager.kv_usage
+        watermark = self.config.kv_low_watermark
+        # the flag (not the usage) is gathered and decided on: ranks then agree even if their
+        # configured watermarks were to differ
+        return PrefillInputs(
+            num_admittable=scheduler.num_admittable(MAX_NUM_ADMITTABLE),
+            has_pending_prefill=scheduler.has_pending_prefill(),
+            kv_usage_ppm=kv_usage_to_ppm(kv_usage),
+            kv_below_low_watermark=watermark is not None and kv_usage < watermark)
+
+    def allow_prefill(self) -> bool:
+        """The decision of the current tick (the scheduler's ``PrefillGate``).
+
+        Raises:
+            RuntimeError: an enabled delayer was asked before its first :meth:`decide`.
+        """
+        if self._decision is None:
+            if not self.config.enabled:
+                return True
+            raise RuntimeError("PrefillDelayer.allow_prefill() before decide(): run the control "
+                               "sync and decide() before schedule() on every tick")
+        return self._decision.allow
+
+    def decide(self, gathered: GatheredControl) -> Decision:
+        """Classify the tick and decide (table in the module docstring); updates the counters."""
+        ready = gathered.num_admittable >= self.min_num_admittable
+        pending = gathered.has_pending_prefill | ready  # ready implies pending work
+        if not ready.any():
+            status = AlignmentStatus.NONE
+        elif np.array_equal(ready, pending):
+            status = AlignmentStatus.ALL
+        else:
+            status = AlignmentStatus.MIXED
+        reason = self._reason(status, ready, gathered.kv_below_low_watermark)
+        if reason is DecisionReason.HOLD:
+            self._num_consecutive_holds += 1
+            self._max_consecutive_holds = max(self._max_consecutive_holds,
+                                              self._num_consecutive_holds)
+        else:
+            self._num_consecutive_holds = 0
+        self._decision = Decision(reason, status, int(ready.sum()), int(pending.sum()),
+                                  self._num_consecutive_holds)
+        self._count(self._decision)
+        return self._decision
+
+    def _reason(self, status: AlignmentStatus, ready: np.ndarray,
+                below_watermark: np.ndarray) -> DecisionReason:
+        if not self.config.enabled:
+            return DecisionReason.DISABLED
+        if status is AlignmentStatus.NONE:
+            return DecisionReason.ALLOW_NONE
+        if status is AlignmentStatus.ALL:
+            return DecisionReason.ALLOW_ALL
+        if (ready & below_watermark).any():
+            return DecisionReason.WATERMARK
+        if self._num_consecutive_holds >= self.config.max_delay_passes:
+            return DecisionReason.TIMEOUT
+        return DecisionReason.HOLD
+
+    def _count(self, decision: Decision) -> None:
+        self._num_decisions += 1
+        self._counts[decision.reason] += 1
+        if decision.status is not AlignmentStatus.NONE:
+            self._num_ready_ticks += 1
+        if decision.status is AlignmentStatus.MIXED:
+            self._num_mixed_ticks += 1
+        self._log.debug("prefill delayer: %s (%s, %d/%d pending ranks ready, %d holds in a row)",
+                        decision.reason.value, decision.status.value, decision.num_ready_ranks,
+                        decision.num_pending_ranks, decision.num_consecutive_holds)
+        every = self.config.log_every_n_decisions
+        if every is not None and self._num_decisions % every == 0:
+            self._log.info("prefill delayer: %s", ", ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in self.stats().items()))
+
+    @property
+    def hold_rate(self) -> float:
+        """Holds ÷ ticks where some rank was ready (0.0 before any such tick)."""
+        holds = self._counts[DecisionReason.HOLD]
+        return holds / self._num_ready_ticks if self._num_ready_ticks else 0.0
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters for metrics: decisions per reason, ready and mixed ticks, hold rate, and the
+        longest run of consecutive holds (never more than ``max_delay_passes``)."""
+        out: dict[str, int | float] = {"num_decisions": self._num_decisions}
+        out.update({reason.value: self._counts[reason] for reason in DecisionReason})
+        out.update(num_ready_ticks=self._num_ready_ticks, num_mixed_ticks=self._num_mixed_ticks,
+                   hold_rate=self.hold_rate, max_consecutive_holds=self._max_consecutive_holds)
+        return out

@@ -1,0 +1,316 @@
+"""The two per-tick exchanges of DESIGN.md: the control sync and the batch-shape exchange.
+
+Per tick, on every rank, in this order (DESIGN.md, "Processes and data flow"):
+
+1. **control sync** (control group, before scheduling): each rank packs a :class:`ControlState`
+   into a fixed-length int64 vector; one all-gather gives every rank a :class:`GatheredControl`;
+   every decision of the tick (step or idle, admit prefills, stop) is a pure function of it;
+2. **batch-shape exchange** (device group, after scheduling): a :class:`BatchShape` per rank →
+   :class:`GatheredBatchShape` (token counts for EP splits and padding, dummy flags, and TBO
+   agreed only when every rank is eligible).
+
+Both vectors start with a magic word that names the layout and its version, so a vector
+gathered together with some other collective (ranks out of step) is recognised as garbage
+instead of being read as numbers. The control vector also carries each rank's collective
+count and hash (taken just before the sync), so the lockstep check runs every tick for free:
+:func:`exchange_control` raises :class:`~atom.dp.collectives.LockstepError` as soon as ranks
+disagree (see :mod:`atom.dp.collectives` for what gloo itself does when they do).
+
+Everything here except the two ``exchange_*`` functions is pure and unit-tested without
+processes. Vectors are int64 CPU tensors; fields are integers with units in their names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from atom.dp.collectives import (
+    CollectiveLog,
+    LockstepError,
+    all_gather_int64,
+    check_lockstep,
+    process_collective_log,
+)
+from atom.dp.collective_log import format_histories
+
+CONTROL_MAGIC = int.from_bytes(b"ATOMCTL1", "big")
+BATCH_SHAPE_MAGIC = int.from_bytes(b"ATOMBSH1", "big")
+KV_USAGE_PPM_MAX = 1_000_000  # kv_usage is sent in parts per million (an int64 vector)
+
+
+def kv_usage_to_ppm(kv_usage: float) -> int:
+    """A KV usage fraction in [0, 1] as parts per million. Raises ValueError outside [0, 1]."""
+    if not 0.0 <= kv_usage <= 1.0:
+        raise ValueError(f"kv_usage={kv_usage} is not a fraction in [0, 1]")
+    return round(kv_usage * KV_USAGE_PPM_MAX)
+
+
+@dataclass(frozen=True)
+class ControlState:
+    """What one rank tells the others at the start of a tick (all integers or flags).
+
+    Attributes:
+        has_work: the rank has unfinished requests (waiting or running).
+        shutdown: the rank was asked to shut down.
+        num_admittable: prefills it could start or continue now (admission dry run), capped.
+        has_pending_prefill: waiting or partial-prefill work exists.
+        kv_usage_ppm: KV blocks in use, parts per million of the pool.
+        kv_below_low_watermark: ``kv_usage`` under the delayer's low watermark (False when off).
+        wave_id: the wave this rank is stepping in (DESIGN.md, "Idle and waves").
+        tick: ticks this rank has run (identical on every rank while in step).
+        collective_count, collective_hash: the collective log before this sync (the hash as
+            the int64 with the same bits); :func:`exchange_control` fills them in.
+    """
+
+    has_work: bool
+    shutdown: bool = False
+    num_admittable: int = 0
+    has_pending_prefill: bool = False
+    kv_usage_ppm: int = 0
+    kv_below_low_watermark: bool = False
+    wave_id: int = 0
+    tick: int = 0
+    collective_count: int = 0
+    collective_hash: int = 0
+
+    def __post_init__(self):
+        if self.num_admittable < 0 or self.wave_id < 0 or self.tick < 0:
+            raise ValueError(f"num_admittable, wave_id and tick must be >= 0: {self}")
+        if not 0 <= self.kv_usage_ppm <= KV_USAGE_PPM_MAX:
+            raise ValueError(f"kv_usage_ppm={self.kv_usage_ppm} is outside [0, {KV_USAGE_PPM_MAX}]")
+
+    def pack(self) -> torch.Tensor:
+        """int64 [CONTROL_VECTOR_LEN]: the magic word, then the fields in declaration order."""
+        return torch.tensor([CONTROL_MAGIC, *(int(getattr(self, f)) for f in _CONTROL_FIELDS)],
+                            dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, vec: torch.Tensor | np.ndarray) -> ControlState:
+        """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not a control vector."""
+        row = _checked_row(vec, CONTROL_VECTOR_LEN, CONTROL_MAGIC, "control")
+        return cls(**{f: (bool(v) if f in _CONTROL_FLAGS else int(v))
+                      for f, v in zip(_CONTROL_FIELDS, row[1:].tolist())})
+
+
+_CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(ControlState))
+_CONTROL_FLAGS = frozenset(("has_work", "shutdown", "has_pending_prefill",
+                            "kv_below_low_watermark"))
+CONTROL_VECTOR_LEN = 1 + len(_CONTROL_FIELDS)
+
+
+def _checked_row(vec, length: int, magic: int, what: str) -> np.ndarray:
+    row = np.asarray(vec, dtype=np.int64)
+    if row.shape != (length,) or int(row[0]) != magic:
+        raise ValueError(f"not a {what} vector (expected int64 [{length}] starting with "
+                         f"0x{magic:016x}): {row.tolist()}")
+    return row
+
+
+@dataclass(frozen=True)
+class GatheredControl:
+    """Every rank's :class:`ControlState` of one tick, as per-rank arrays of shape [world_size].
+
+    Flags are bool arrays, the rest int64. Identical on every rank after the gather, so any
+    function of it (plus tick counters that are themselves identical) is a cross-rank decision.
+    """
+
+    has_work: np.ndarray
+    shutdown: np.ndarray
+    num_admittable: np.ndarray
+    has_pending_prefill: np.ndarray
+    kv_usage_ppm: np.ndarray
+    kv_below_low_watermark: np.ndarray
+    wave_id: np.ndarray
+    tick: np.ndarray
+    collective_count: np.ndarray
+    collective_hash: np.ndarray
+
+    @classmethod
+    def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredControl:
+        """From the gathered int64 [world_size, CONTROL_VECTOR_LEN] matrix.
+
+        Raises ValueError when a row is not a control vector (wrong length or magic).
+        """
+        rows = np.asarray(matrix, dtype=np.int64)
+        if rows.ndim != 2:
+            raise ValueError(f"expected [world_size, {CONTROL_VECTOR_LEN}], got {rows.shape}")
+        for row in rows:
+            _checked_row(row, CONTROL_VECTOR_LEN, CONTROL_MAGIC, "control")
+        cols = {f: rows[:, 1 + i] for i, f in enumerate(_CONTROL_FIELDS)}
+        return cls(**{f: (c.astype(bool) if f in _CONTROL_FLAGS else c.copy())
+                      for f, c in cols.items()})
+
+    @classmethod
+    def from_states(cls, states: list[ControlState]) -> GatheredControl:
+        """What the gather of ``states`` (rank order) would give; for tests and simulation."""
+        return cls.from_matrix(torch.stack([s.pack() for s in states]))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.has_work)
+
+    def any_has_work(self) -> bool:
+        """Some rank has requests: every rank steps this tick (idle ranks with dummy batches)."""
+        return bool(self.has_work.any())
+
+    def all_shutdown(self) -> bool:
+        return bool(self.shutdown.all())
+
+    def any_shutdown(self) -> bool:
+        return bool(self.shutdown.any())
+
+    def max_wave_id(self) -> int:
+        return int(self.wave_id.max())
+
+    def in_lockstep(self) -> bool:
+        """Every rank reports the same tick, collective count and collective hash."""
+        return all(len(np.unique(a)) == 1
+                   for a in (self.tick, self.collective_count, self.collective_hash))
+
+    def describe_ranks(self) -> str:
+        """One line per rank (tick, collectives, hash) for error messages."""
+        return "\n".join(f"  rank {r}: tick {t}, {c} collectives, hash 0x{h & (2**64 - 1):016x}"
+                         for r, (t, c, h) in enumerate(zip(self.tick.tolist(),
+                                                           self.collective_count.tolist(),
+                                                           self.collective_hash.tolist())))
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """This rank's scheduled batch, as the other ranks need it (after scheduling).
+
+    Attributes:
+        num_tokens: tokens computed this step (a dummy batch counts its padding tokens).
+        num_seqs: sequences in the batch (0 for a dummy batch).
+        is_dummy: the rank had nothing to run and steps a dummy batch that writes no KV.
+        tbo_eligible: this rank's batch could be split into two micro-batches.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    is_dummy: bool = False
+    tbo_eligible: bool = False
+
+    def __post_init__(self):
+        if self.num_tokens < 0 or self.num_seqs < 0:
+            raise ValueError(f"num_tokens and num_seqs must be >= 0: {self}")
+
+    def pack(self) -> torch.Tensor:
+        """int64 [BATCH_SHAPE_VECTOR_LEN]: magic, num_tokens, num_seqs, is_dummy, tbo_eligible."""
+        return torch.tensor([BATCH_SHAPE_MAGIC, self.num_tokens, self.num_seqs,
+                             int(self.is_dummy), int(self.tbo_eligible)], dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, vec: torch.Tensor | np.ndarray) -> BatchShape:
+        """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not a batch-shape vector."""
+        _, num_tokens, num_seqs, is_dummy, tbo = _checked_row(
+            vec, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape").tolist()
+        return cls(num_tokens, num_seqs, bool(is_dummy), bool(tbo))
+
+
+BATCH_SHAPE_VECTOR_LEN = 5
+
+
+@dataclass(frozen=True)
+class GatheredBatchShape:
+    """Every rank's :class:`BatchShape` of one step as arrays of shape [world_size]."""
+
+    num_tokens: np.ndarray  # int64, tokens per rank
+    num_seqs: np.ndarray  # int64
+    is_dummy: np.ndarray  # bool
+    tbo_eligible: np.ndarray  # bool
+
+    @classmethod
+    def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredBatchShape:
+        """From the gathered int64 [world_size, BATCH_SHAPE_VECTOR_LEN] matrix.
+
+        Raises ValueError when a row is not a batch-shape vector.
+        """
+        rows = np.asarray(matrix, dtype=np.int64)
+        if rows.ndim != 2:
+            raise ValueError(f"expected [world_size, {BATCH_SHAPE_VECTOR_LEN}], got {rows.shape}")
+        for row in rows:
+            _checked_row(row, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape")
+        return cls(rows[:, 1].copy(), rows[:, 2].copy(), rows[:, 3].astype(bool),
+                   rows[:, 4].astype(bool))
+
+    @classmethod
+    def from_shapes(cls, shapes: list[BatchShape]) -> GatheredBatchShape:
+        """What the gather of ``shapes`` (rank order) would give; for tests and simulation."""
+        return cls.from_matrix(torch.stack([s.pack() for s in shapes]))
+
+    @property
+    def tbo_agreed(self) -> bool:
+        """Split into two micro-batches only when every rank is eligible (DESIGN.md)."""
+        return bool(self.tbo_eligible.all())
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The largest batch (what padded collectives size to)."""
+        return int(self.num_tokens.max())
+
+    @property
+    def total_num_tokens(self) -> int:
+        return int(self.num_tokens.sum())
+
+    def all_dummy(self) -> bool:
+        return bool(self.is_dummy.all())
+
+
+def exchange_control(state: ControlState, group: dist.ProcessGroup, *,
+                     log: CollectiveLog | None = None) -> GatheredControl:
+    """The control sync: fill in the collective count and hash, gather, check lockstep.
+
+    Args:
+        state: this rank's state; its ``collective_*`` fields are overwritten from ``log``.
+        group: the control group.
+        log: default the process log.
+    Returns:
+        Every rank's state, identical on every rank.
+    Raises:
+        LockstepError: the ranks' ticks, collective counts or hashes differ (every rank then
+            runs :func:`~atom.dp.collectives.check_lockstep` to exchange histories, and all
+            raise), or a gathered row is not a control vector (this sync was paired with some
+            other collective: this rank raises alone; its peers fail in their next collective
+            or at the group timeout).
+        CollectiveError: the gather itself failed (a peer died, or the group timed out).
+    """
+    log = process_collective_log() if log is None else log
+    state = dataclasses.replace(state, collective_count=log.num_collectives,
+                                collective_hash=log.hash_int64)
+    matrix = all_gather_int64(state.pack(), group, log=log)
+    try:
+        gathered = GatheredControl.from_matrix(matrix)
+    except ValueError as e:
+        raise LockstepError(f"[rank {log.rank}] the control sync was paired with a different "
+                            f"collective on some rank ({e}); the ranks are out of step. Recent "
+                            f"collectives:\n{format_histories(log.post_mortem())}") from e
+    if not gathered.in_lockstep():
+        check_lockstep(log, group)  # every rank saw the same rows: all take this branch
+        raise LockstepError(f"[rank {log.rank}] ranks disagree at the control sync:\n"
+                            f"{gathered.describe_ranks()}")
+    return gathered
+
+
+def exchange_batch_shape(shape: BatchShape, group: dist.ProcessGroup, *,
+                         log: CollectiveLog | None = None) -> GatheredBatchShape:
+    """The batch-shape exchange (device group, after scheduling): one int64 all-gather.
+
+    Raises:
+        LockstepError: a gathered row is not a batch-shape vector (ranks out of step).
+        CollectiveError: the gather failed.
+    """
+    log = process_collective_log() if log is None else log
+    matrix = all_gather_int64(shape.pack(), group, log=log)
+    try:
+        return GatheredBatchShape.from_matrix(matrix)
+    except ValueError as e:
+        raise LockstepError(f"[rank {log.rank}] the batch-shape exchange was paired with a "
+                            f"different collective on some rank ({e}); the ranks are out of "
+                            f"step. Recent collectives:\n{format_histories(log.post_mortem())}"
+                            ) from e

@@ -1,0 +1,199 @@
+"""PrefillDelayer: every branch of the decision table, from fake gathered control vectors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from atom.dp.prefill_delayer import (
+    MAX_NUM_ADMITTABLE,
+    AlignmentStatus,
+    DecisionReason,
+    PrefillDelayer,
+    PrefillDelayerConfig,
+)
+from atom.dp.sync import ControlState, GatheredControl
+
+
+def rank(num_admittable: int = 0, *, pending: bool | None = None,
+         below_watermark: bool = False) -> ControlState:
+    """One rank's control state; pending prefill work defaults to num_admittable > 0."""
+    pending = num_admittable > 0 if pending is None else pending
+    return ControlState(has_work=True, num_admittable=num_admittable, has_pending_prefill=pending,
+                        kv_below_low_watermark=below_watermark)
+
+
+def gathered(*ranks: ControlState) -> GatheredControl:
+    return GatheredControl.from_states(list(ranks))
+
+
+MIXED = gathered(rank(2), rank(0, pending=True))  # rank 1 has work it cannot admit yet
+
+
+def delayer(**kwargs) -> PrefillDelayer:
+    return PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=None, **kwargs))
+
+
+def test_none_no_rank_ready_allows():
+    d = delayer()
+    for g in (gathered(rank(0), rank(0)), gathered(rank(0, pending=True), rank(0))):
+        decision = d.decide(g)
+        assert (decision.status, decision.reason, decision.allow) == (
+            AlignmentStatus.NONE, DecisionReason.ALLOW_NONE, True)
+        assert d.allow_prefill()
+
+
+def test_all_pending_ranks_ready_allows():
+    decision = delayer().decide(gathered(rank(1), rank(3)))
+    assert (decision.status, decision.reason, decision.allow) == (
+        AlignmentStatus.ALL, DecisionReason.ALLOW_ALL, True)
+    assert (decision.num_ready_ranks, decision.num_pending_ranks) == (2, 2)
+
+
+def test_rank_without_pending_work_does_not_hold_others():
+    d = delayer()
+    decision = d.decide(gathered(rank(1), rank(0, pending=False), rank(0, pending=False)))
+    assert decision.reason is DecisionReason.ALLOW_ALL
+    assert (decision.num_ready_ranks, decision.num_pending_ranks) == (1, 1)
+
+
+def test_mixed_holds_every_rank():
+    d = delayer()
+    decision = d.decide(MIXED)
+    assert (decision.status, decision.reason, decision.allow) == (
+        AlignmentStatus.MIXED, DecisionReason.HOLD, False)
+    assert decision.num_consecutive_holds == 1
+    assert d.allow_prefill() is False
+
+
+def test_hold_bounded_by_max_delay_passes_then_timeout_and_reset():
+    d = delayer(max_delay_passes=3)
+    reasons = [d.decide(MIXED).reason for _ in range(9)]
+    hold, timeout = DecisionReason.HOLD, DecisionReason.TIMEOUT
+    # three holds, a timeout allow, and the counter starts over after it
+    assert reasons == [hold, hold, hold, timeout, hold, hold, hold, timeout, hold]
+    assert d.stats()["max_consecutive_holds"] == 3
+
+
+def test_any_allow_resets_the_hold_counter():
+    d = delayer(max_delay_passes=3)
+    d.decide(MIXED)
+    d.decide(MIXED)
+    assert d.decide(gathered(rank(1), rank(1))).reason is DecisionReason.ALLOW_ALL
+    assert [d.decide(MIXED).reason for _ in range(4)] == [DecisionReason.HOLD] * 3 + [
+        DecisionReason.TIMEOUT]
+
+
+def test_watermark_valve_releases_a_mixed_hold():
+    d = delayer(kv_low_watermark=0.5)
+    decision = d.decide(gathered(rank(2, below_watermark=True), rank(0, pending=True)))
+    assert (decision.status, decision.reason, decision.allow) == (
+        AlignmentStatus.MIXED, DecisionReason.WATERMARK, True)
+    # only a *ready* rank below the watermark opens the valve
+    decision = d.decide(gathered(rank(2), rank(0, pending=True, below_watermark=True)))
+    assert decision.reason is DecisionReason.HOLD
+
+
+def test_local_inputs_watermark_flag():
+    @dataclass
+    class Pool:
+        kv_usage: float
+
+    @dataclass
+    class FakeScheduler:
+        block_manager: Pool
+        admittable: int
+        pending: bool
+
+        def num_admittable(self, cap: int) -> int:
+            return min(self.admittable, cap)
+
+        def has_pending_prefill(self) -> bool:
+            return self.pending
+
+    sched = FakeScheduler(Pool(0.25), admittable=9, pending=True)
+    inputs = delayer(kv_low_watermark=0.3).local_inputs(sched)
+    assert (inputs.num_admittable, inputs.has_pending_prefill, inputs.kv_usage_ppm,
+            inputs.kv_below_low_watermark) == (MAX_NUM_ADMITTABLE, True, 250_000, True)
+    assert delayer(kv_low_watermark=0.2).local_inputs(sched).kv_below_low_watermark is False
+    assert delayer().local_inputs(sched).kv_below_low_watermark is False  # valve off
+
+
+def test_tbo_readiness_needs_two_admittable():
+    d = delayer(tbo_enabled=True)
+    assert d.min_num_admittable == 2
+    decision = d.decide(gathered(rank(2), rank(1)))  # rank 1 has one prefill: not enough to split
+    assert (decision.status, decision.reason) == (AlignmentStatus.MIXED, DecisionReason.HOLD)
+    assert d.decide(gathered(rank(1), rank(1))).reason is DecisionReason.ALLOW_NONE
+    assert d.decide(gathered(rank(2), rank(4))).reason is DecisionReason.ALLOW_ALL
+    assert delayer().decide(gathered(rank(2), rank(1))).reason is DecisionReason.ALLOW_ALL
+
+
+def test_disabled_always_allows_but_still_classifies():
+    d = delayer(enabled=False)
+    assert d.allow_prefill()  # before any decide()
+    for _ in range(50):
+        decision = d.decide(MIXED)
+        assert (decision.status, decision.reason, decision.allow) == (
+            AlignmentStatus.MIXED, DecisionReason.DISABLED, True)
+    stats = d.stats()
+    assert (stats["disabled"], stats["hold"], stats["num_mixed_ticks"], stats["hold_rate"]) == (
+        50, 0, 50, 0.0)
+
+
+def test_enabled_allow_prefill_before_decide_is_an_error():
+    with pytest.raises(RuntimeError, match="before decide"):
+        delayer().allow_prefill()
+
+
+def test_counters_and_hold_rate():
+    d = delayer(max_delay_passes=2, kv_low_watermark=0.5)
+    sequence = [
+        gathered(rank(0), rank(0)),  # allow_none (not a ready tick)
+        gathered(rank(1), rank(1)),  # allow_all
+        MIXED, MIXED, MIXED,  # hold, hold, timeout
+        gathered(rank(1, below_watermark=True), rank(0, pending=True)),  # watermark
+        MIXED,  # hold
+    ]
+    for g in sequence:
+        d.decide(g)
+    assert d.stats() == {
+        "num_decisions": 7, "allow_none": 1, "allow_all": 1, "hold": 3, "timeout": 1,
+        "watermark": 1, "disabled": 0, "num_ready_ticks": 6, "num_mixed_ticks": 5,
+        "hold_rate": 3 / 6, "max_consecutive_holds": 2,
+    }
+    assert d.hold_rate == 0.5
+    assert delayer().hold_rate == 0.0
+
+
+def test_decisions_identical_on_every_rank():
+    """Two delayers (two ranks) fed the same gathered sequence end in the same state."""
+    seq = [MIXED] * 5 + [gathered(rank(1), rank(2))] + [MIXED] * 40
+    a = PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=None), dp_rank=0)
+    b = PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=None), dp_rank=1)
+    assert [a.decide(g) for g in seq] == [b.decide(g) for g in seq]
+    assert a.stats() == b.stats()
+
+
+def test_logs_counters_every_n_decisions(caplog):
+    d = PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=2), dp_rank=3)
+    with caplog.at_level("INFO", logger="atom.dp.prefill_delayer"):
+        for _ in range(5):
+            d.decide(MIXED)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(lines) == 2
+    assert lines[-1].startswith("[dp3] prefill delayer: num_decisions=4,")
+    assert "hold=4" in lines[-1] and "hold_rate=1.000" in lines[-1]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_delay_passes=0), "max_delay_passes"),
+    (dict(max_delay_passes=2.5), "max_delay_passes"),
+    (dict(kv_low_watermark=0.0), "kv_low_watermark"),
+    (dict(kv_low_watermark=1.0), "kv_low_watermark"),
+    (dict(log_every_n_decisions=0), "log_every_n_decisions"),
+])
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrefillDelayerConfig(**kwargs)
