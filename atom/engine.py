@@ -17,7 +17,7 @@ from atom.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.detokenizer import IncrementalDetokenizer
 from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from atom.sampler import Sampler
+from atom.sampler import Sampler, top_logprobs
 from atom.sampling_params import SamplingParams
 from atom.scheduler import PrefillGate, Scheduler, SchedulerConfig, SchedulerOutput
 from atom.sequence import FinishReason, Sequence
@@ -67,7 +67,7 @@ class LLMEngine:
 
         self.config = config
         torch.set_num_threads(config.resolved_num_threads())
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[config.dtype]
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[config.resolved_dtype()]
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         arch, weights = load_model_weights(config.model, dtype)
         max_model_len = config.max_model_len or min(arch.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
@@ -96,7 +96,7 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         logger.info("engine ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
-                    config.model or "embedded SmolLM2-135M-Instruct", config.dtype, num_blocks,
+                    config.model or "embedded SmolLM2-135M-Instruct", config.resolved_dtype(), num_blocks,
                     config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
 
     # ----- requests -----
@@ -111,12 +111,13 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running; use a unique id")
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
-        error = self._validate_prompt(prompt_token_ids)
+        error = self._validate(prompt_token_ids, params)
         seqs = [Sequence(request_id, list(prompt_token_ids), params, index=i, arrival_time_s=arrival)
                 for i in range(params.n)]
         state = _RequestState(request_id, prompt, seqs, [self._detokenizer(params) for _ in seqs],
                               RequestMetrics(arrival_time_s=arrival),
-                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                              prompt_logprobs=([None] * len(prompt_token_ids)
+                                               if params.prompt_logprobs is not None else None))
         self._requests[request_id] = state
         for seq in seqs:
             if error is not None:
@@ -126,11 +127,15 @@ class LLMEngine:
         if all(seq.is_finished for seq in seqs):
             self._pending_outputs.append(self._finish_request(state))
 
-    def _validate_prompt(self, token_ids: list[int]) -> str | None:
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.runtime.vocab_size)]
-        if bad:
-            return (f"prompt token ids {bad[:5]} are outside the vocabulary "
-                    f"[0, {self.runtime.vocab_size})")
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> str | None:
+        vocab = self.runtime.vocab_size
+        for what, ids in (("prompt token ids", token_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias token ids", list(params.logit_bias))):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                return f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})"
+        if params.stop and self.tokenizer is None:
+            return "stop strings need the tokenizer (skip_tokenizer_init=True): use stop_token_ids"
         return None
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
@@ -138,7 +143,8 @@ class LLMEngine:
             return None
         return IncrementalDetokenizer(self.tokenizer.backend_tokenizer, stop=params.stop,
                                       include_stop_str_in_output=params.include_stop_str_in_output,
-                                      skip_special_tokens=params.skip_special_tokens)
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      min_tokens=params.min_tokens)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request; its KV blocks are freed now. Unknown ids are ignored."""
@@ -194,36 +200,51 @@ class LLMEngine:
             if sampled.logprobs[row] is not None:
                 seq.output_logprobs.append(sampled.logprobs[row])
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
-            detok = state.detokenizers[seq.index]
-            if detok is not None and seq in updated:
-                stop = detok.add_token(seq.token_ids[-1])
-                if stop is not None and not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
-                elif stop is not None and seq.finish_reason is not FinishReason.STOP:
-                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+            if seq in updated:
+                self._detokenize(seq, state.detokenizers[seq.index])
             if seq.is_finished:
                 self.sampler.release(seq.seq_id)
         return touched
 
+    def _detokenize(self, seq: Sequence, detok: IncrementalDetokenizer | None) -> None:
+        """Add ``seq``'s new token to its text; a completed stop string ends ``seq`` here.
+
+        The scheduler has already run its token stop checks: a STOP it set means EOS or a stop
+        token id, whose text is left out unless include_stop_str_in_output (vLLM). A stop
+        string found here finishes the sequence at once (its KV blocks are freed now); on the
+        token that also hit max_tokens, the stop string wins (vLLM checks it last, too).
+        """
+        if detok is None:
+            return
+        if seq.finish_reason is FinishReason.STOP and not seq.sampling_params.include_stop_str_in_output:
+            return
+        stop = detok.add_token(seq.token_ids[-1])
+        if stop is None:
+            return
+        if not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
+        else:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+
     def _record_prompt_logprobs(self, prompt_logits: dict[int, torch.Tensor], by_id: dict[int, Sequence]) -> None:
+        """Fill ``prompt_logprobs[p + 1]`` from the logits row of prompt position ``p``.
+
+        Runs before ``postprocess``, so ``num_computed_tokens`` is still the first position
+        computed this step. Positions recomputed after a preemption are skipped (already
+        filled). Prompt-logprob requests bypass the prefix cache (block manager), so every
+        position is computed once.
+        """
         for seq_id, logits in prompt_logits.items():
             seq = by_id[seq_id]
             state = self._requests[seq.request_id]
             if seq.index != 0 or state.prompt_logprobs is None:
                 continue
-            k = seq.sampling_params.prompt_logprobs
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            start = len(state.prompt_logprobs)  # next prompt position to fill (1-based target)
             for row in range(logprobs.shape[0]):
-                target = start + row
-                if target >= seq.num_prompt_tokens:
-                    break
-                token = seq.token_ids[target]
-                entry = {token: float(logprobs[row, token])}
-                if k:
-                    values, ids = logprobs[row].topk(k)
-                    entry.update(zip(ids.tolist(), values.tolist()))
-                state.prompt_logprobs.append(entry)
+                target = seq.num_computed_tokens + row + 1
+                if target < seq.num_prompt_tokens and state.prompt_logprobs[target] is None:
+                    state.prompt_logprobs[target] = top_logprobs(
+                        logprobs[row], seq.token_ids[target], seq.sampling_params.prompt_logprobs)
 
     # ----- outputs -----
 
@@ -241,7 +262,9 @@ class LLMEngine:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=list(first.prompt_token_ids), outputs=completions,
                              finished=finished, num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=state.prompt_logprobs, metrics=state.metrics)
+                             prompt_logprobs=(None if state.prompt_logprobs is None
+                                              else list(state.prompt_logprobs)),
+                             metrics=state.metrics)
 
     def _finish_request(self, state: _RequestState) -> RequestOutput:
         self._requests.pop(state.request_id, None)

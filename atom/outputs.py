@@ -41,12 +41,16 @@ class CompletionOutput:
 
     Attributes:
         index: choice index (0 .. n-1).
-        text: detokenized output ("" with skip_tokenizer_init).
+        text: detokenized output ("" with skip_tokenizer_init). While the request runs it is
+            the text so far minus a held-back tail that could start a stop string, so each
+            streamed text extends the previous one and the last equals the final text.
         token_ids: output token ids.
         finish_reason: "stop", "length", "abort", "error" or None while running.
         stop_reason: the stop string or stop token id that ended it (None for EOS).
-        logprobs: per output token, {token_id: logprob} (None unless requested).
-        cumulative_logprob: sum of the sampled tokens' logprobs.
+        logprobs: per output token, {token_id: logprob}: the top ``SamplingParams.logprobs``
+            tokens in descending order, then the sampled token if it is not among them (raw
+            model distribution; None unless requested).
+        cumulative_logprob: sum of the sampled tokens' (raw) logprobs.
         error: why the request failed (finish_reason "error" only).
     """
 
@@ -66,7 +70,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and one :class:`CompletionOutput` per choice."""
+    """The state of one request: its prompt and one :class:`CompletionOutput` per choice.
+
+    Attributes:
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token
+            (``None`` for the first, and for positions not computed yet while running), shaped
+            like ``CompletionOutput.logprobs`` with the prompt token in place of the sampled one.
+        metrics: arrival, first-token and finish times; TTFT, TPOT and E2E latency.
+    """
 
     request_id: str
     prompt: str | None

@@ -8,7 +8,8 @@ reported from the raw model distribution (before any processing), as vLLM v1 doe
 Random sampling uses the exponential-race form of the Gumbel trick: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` draws from ``p``. A seeded request draws its noise from its own
 ``torch.Generator`` (seeded with ``seed`` for choice 0 and ``seed + index`` for choice ``index``
-of an ``n > 1`` request), so its tokens do not depend on the other sequences in the batch.
+of an ``n > 1`` request, as vLLM derives its child requests' seeds), so its tokens do not depend
+on the other sequences in the batch. Unseeded requests share the engine's generator.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ class SamplerOutput:
 
     Attributes:
         token_ids: list of S sampled token ids.
-        logprobs: per sequence, {token_id: logprob} of the top-k plus the sampled token, or None
-            when the request did not ask for logprobs.
+        logprobs: per sequence, {token_id: logprob} of the top ``logprobs`` tokens plus the
+            sampled token (see :func:`top_logprobs`), or None when the request did not ask
+            for logprobs.
         sampled_logprobs: per sequence, the raw logprob of the sampled token (float).
     """
 
@@ -64,22 +66,16 @@ class Sampler:
             seqs: the sampled sequences (read only; the scheduler appends the tokens).
         """
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        log_norm = torch.logsumexp(logits, dim=-1)  # [S]: raw logprob = logit - log_norm
         processed = self._process(logits.clone(), seqs)
         token_ids = self._sample(processed, seqs)
-        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        sampled_lp = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
         token_list = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = []
         for row, seq in enumerate(seqs):
             k = seq.sampling_params.logprobs
-            if k is None:
-                logprobs.append(None)
-                continue
-            entry = {token_list[row]: float(sampled_lp[row])}
-            if k > 0:
-                values, ids = raw_logprobs[row].topk(k)
-                entry.update(zip(ids.tolist(), values.tolist()))
-            logprobs.append(entry)
+            logprobs.append(None if k is None else
+                            top_logprobs(logits[row] - log_norm[row], token_list[row], k))
         return SamplerOutput(token_list, logprobs, sampled_lp.tolist())
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -120,6 +116,25 @@ class Sampler:
             gen = torch.Generator().manual_seed(seed + seq.index)
             self._seq_generators[seq.seq_id] = gen
         return gen
+
+
+def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:
+    """The ``k`` most likely tokens and ``token_id``: ``{token_id: logprob}`` (vLLM semantics).
+
+    Args:
+        logprobs: float32 ``[vocab]`` log-probabilities of one position.
+        token_id: the sampled (or prompt) token, always included.
+        k: number of top entries (0 = only ``token_id``).
+    Returns:
+        ``k`` entries in descending order, then ``token_id`` if it is not among them
+        (``k + 1`` entries in that case, like vLLM and the OpenAI API).
+    """
+    entry: dict[int, float] = {}
+    if k > 0:
+        values, ids = logprobs.topk(k)
+        entry = dict(zip(ids.tolist(), values.tolist()))
+    entry.setdefault(token_id, float(logprobs[token_id]))
+    return entry
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], *,

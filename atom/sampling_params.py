@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+_MIN_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's _SAMPLING_EPS)
 
 
 @dataclass
@@ -16,7 +17,8 @@ class SamplingParams:
 
     Attributes:
         n: number of output sequences (choices) per prompt; they share the prompt's KV blocks.
-        temperature: 0 means greedy; otherwise logits are divided by it.
+        temperature: 0 (or below 1e-5, where dividing would overflow) means greedy; otherwise
+            logits are divided by it.
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below ``min_p`` × the top probability.
@@ -29,8 +31,12 @@ class SamplingParams:
         include_stop_str_in_output: keep a matched stop string in the text.
         ignore_eos: keep generating after EOS.
         seed: per-request random seed; a seeded request's tokens do not depend on batch-mates.
-        logprobs: number of top logprobs to return per output token (sampled token included).
-        prompt_logprobs: number of top logprobs to return per prompt token.
+        logprobs: per output token, return the logprobs (raw model distribution, before any
+            processing) of the ``logprobs`` most likely tokens plus the sampled token when it is
+            not among them (``logprobs`` or ``logprobs + 1`` entries, as in vLLM); 0 = the
+            sampled token only.
+        prompt_logprobs: the same per prompt token (the first has none), with the prompt token
+            in place of the sampled one. Such requests bypass the prefix cache.
         skip_special_tokens: drop special tokens from the detokenized text.
         logit_bias: token id → bias added to its logit before sampling.
     """
@@ -92,7 +98,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _MIN_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

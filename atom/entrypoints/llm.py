@@ -6,6 +6,7 @@ import atexit
 import itertools
 import time
 import weakref
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -96,6 +97,44 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the output text of one prompt piece by piece, as the engine generates it.
+
+        The pieces concatenate to the final text (stop strings cut, as in ``generate``). Closing
+        the iterator early (``break``, Ctrl-C) aborts the request and frees its KV blocks.
+
+        Raises:
+            ValueError: ``n > 1``, a prompt that cannot run (its error message), or no tokenizer.
+            RuntimeError: other requests are in flight on this LLM (one stream at a time).
+        """
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream() returns one choice: use n=1, not n={params.n}")
+        engine = self._engine
+        self._require_tokenizer()
+        if engine.has_unfinished_requests():
+            raise RuntimeError("stream() needs the engine to itself: finish other requests first")
+        text, token_ids = self._tokenize_prompt(prompt)
+        request_id = str(next(self._counter))
+        engine.add_request(request_id, token_ids, params, prompt=text)
+        num_sent = 0
+        finished = False
+        try:
+            while not finished:
+                for out in engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    completion, finished = out.outputs[0], out.finished
+                    if completion.finish_reason == "error":
+                        raise ValueError(completion.error)
+                    if len(completion.text) > num_sent:
+                        yield completion.text[num_sent:]
+                        num_sent = len(completion.text)
+        finally:
+            if not finished:
+                engine.abort_request(request_id)
+                engine.step()  # collect the abort's output so the engine is idle again
+
     def apply_chat_template(self, conversation: list[dict[str, str]], *,
                             add_generation_prompt: bool = True) -> str:
         tokenizer = self._require_tokenizer()
@@ -163,14 +202,17 @@ class LLM:
         bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm, initial=len(results))
         start = time.perf_counter()
-        num_output_tokens = 0
+        num_prompt_tokens = num_output_tokens = 0
         while len(results) < num_requests:
             for out in self._engine.step():
                 if out.finished:
                     results[out.request_id] = out
+                    num_prompt_tokens += len(out.prompt_token_ids)
                     num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed_s = time.perf_counter() - start
                     bar.update(1)
-                    bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s")
+                    bar.set_postfix_str(f"input {num_prompt_tokens / elapsed_s:.1f} tok/s, "
+                                        f"output {num_output_tokens / elapsed_s:.1f} tok/s")
         bar.close()
 
 

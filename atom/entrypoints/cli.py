@@ -1,0 +1,141 @@
+"""The ``atom`` command line.
+
+- ``atom generate --prompt TEXT [--prompt TEXT ...]``: generate and print one completion per prompt
+  (``--chat`` wraps each prompt as a user message through the chat template).
+- ``atom chat``: interactive; each line you type is a user turn, the reply streams as it is
+  generated; Ctrl-C or EOF (Ctrl-D) ends the session (exit code 0).
+- ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`).
+
+Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
+``--num-kv-blocks``, ...), generated from :class:`atom.config.EngineConfig`. ``--seed`` seeds the
+engine and, for ``generate`` and ``chat``, the requests, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from atom.config import EngineConfig, add_engine_args
+from atom.sampling_params import SamplingParams
+
+_DEFAULT_MAX_TOKENS = 256
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    defaults = SamplingParams()
+    parser.add_argument("--max-tokens", type=int, default=_DEFAULT_MAX_TOKENS,
+                        help="output tokens per reply at most")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p)
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
+    add_engine_args(parser)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed)
+
+
+def _make_llm(args: argparse.Namespace):
+    from atom.entrypoints.llm import LLM
+
+    return LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    rc = 0
+    for out in outputs:
+        completion = out.outputs[0]
+        if completion.finish_reason == "error":
+            print(f"atom generate: error: {completion.error}", file=sys.stderr)
+            rc = 1
+        else:
+            print(completion.text, flush=True)
+    return rc
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    try:
+        params = _sampling_params(args)
+        llm = _make_llm(args)
+        conversation = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = "> " if sys.stdin.isatty() else ""
+        while True:
+            try:
+                line = input(prompt)
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            conversation.append({"role": "user", "content": line})
+            reply = []
+            try:
+                for piece in llm.stream(llm.apply_chat_template(conversation), params):
+                    print(piece, end="", flush=True)
+                    reply.append(piece)
+            except ValueError as exc:  # this turn cannot run (e.g. the conversation got too long)
+                conversation.pop()
+                print(f"atom chat: error: {exc}", file=sys.stderr)
+                continue
+            print(flush=True)
+            conversation.append({"role": "assistant", "content": "".join(reply)})
+    except KeyboardInterrupt:  # Ctrl-C ends the session, not an error
+        print(flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from atom.entrypoints import bench
+
+    parser = argparse.ArgumentParser(prog="atom", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    gen = sub.add_parser("generate", help="generate completions for prompts", formatter_class=fmt)
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the chat template")
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate, subparser=gen)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming replies", formatter_class=fmt)
+    chat.add_argument("--system", help="system message of the conversation")
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, subparser=chat)
+
+    bench_parser = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
+    offline = bench_sub.add_parser("offline", help="offline throughput (scripts/bench_offline.py)",
+                                   description=bench.__doc__.split("\n\n")[0], formatter_class=fmt)
+    bench.add_offline_args(offline)
+    offline.set_defaults(func=bench.run, subparser=offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``atom`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # a bad option value: say which, like argparse does
+        args.subparser.error(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

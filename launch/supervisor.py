@@ -1,0 +1,219 @@
+"""The launcher's event loop: watch the local workers, stop them all on the first failure.
+
+One thread, one ``selectors`` loop, no polling where Linux allows it: the loop sleeps until a
+worker writes to stderr (teed by :meth:`WorkerProcess.pump`), a worker exits (its pidfd becomes
+readable), a stop signal arrives (``signal.set_wakeup_fd``), the SIGTERM→SIGKILL grace period
+ends, or, with several nodes, it is time to look for another node's stop record
+(:data:`~atom.launch.rendezvous.STORE_POLL_S`).
+
+Stopping means SIGTERM to every worker's process group, then SIGKILL to those still there after
+``term_timeout_s``; when the last worker is gone every group gets a final SIGKILL, so nothing a
+worker started outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
+from atom.launch.workers import WorkerFailure, WorkerProcess, describe_exit_code, exit_status
+
+logger = logging.getLogger(__name__)
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PID_POLL_S = 0.2  # exit polling where pidfds are unavailable (not Linux)
+_DRAIN_S = 2.0  # after the last worker exits, how long to wait for its stderr to end
+
+
+class StopSignals:
+    """While entered: SIGINT/SIGTERM/SIGHUP are recorded (not fatal) and wake the event loop
+    through :attr:`fd` (``signal.set_wakeup_fd``). Main thread only."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._saved_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for sig in _STOP_SIGNALS:
+            self._saved[sig] = signal.signal(sig, lambda signum, _frame:
+                                             self.received.append(signum))
+        return self
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 256):
+                pass
+        except BlockingIOError:
+            pass
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._saved_wakeup)
+        os.close(self.fd)
+        os.close(self._write_fd)
+
+
+@dataclass
+class Outcome:
+    """How the run ended; the first stop reason wins."""
+
+    failure: WorkerFailure | None = None
+    signal: int | None = None
+    remote: StopRecord | None = None
+    exit_codes: dict[int, int] = field(default_factory=dict)  # rank → exit code
+
+    @property
+    def stopping(self) -> bool:
+        return self.failure is not None or self.signal is not None or self.remote is not None
+
+    @property
+    def exit_code(self) -> int:
+        if self.failure is not None:
+            return exit_status(self.failure.exit_code)
+        if self.signal is not None:
+            return 128 + self.signal
+        if self.remote is not None:
+            return exit_status(self.remote.exit_code) if self.remote.exit_code else 1
+        return 0
+
+
+class Supervisor:
+    """The event loop of one launcher: owns the running workers until all have exited."""
+
+    def __init__(self, workers: Sequence[WorkerProcess], *, signals: StopSignals,
+                 store: LaunchStore, term_timeout_s: float):
+        self.workers, self.signals, self.store = workers, signals, store
+        self.node_rank, self.term_timeout_s = store.node_rank, term_timeout_s
+        self.outcome = Outcome()
+        self._kill_at: float | None = None
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(signals.fd, selectors.EVENT_READ, None)
+        for w in workers:
+            self._sel.register(w.stderr_fd, selectors.EVENT_READ, w)
+            if w.pidfd is not None:
+                self._sel.register(w.pidfd, selectors.EVENT_READ, None)
+
+    def run(self) -> Outcome:
+        running = list(self.workers)
+        next_store_poll = time.monotonic() + STORE_POLL_S
+        try:
+            while running:
+                self._wait(next_store_poll)
+                for w in list(running):
+                    if w.poll() is not None:
+                        running.remove(w)
+                        self._on_exit(w)
+                self._on_signals()
+                now = time.monotonic()
+                if self.store.multi_node and now >= next_store_poll:
+                    next_store_poll = now + STORE_POLL_S
+                    if not self.outcome.stopping:
+                        remote = self.store.remote_stop()
+                        if remote is not None:
+                            self.outcome.remote = remote
+                            self._stop(remote.reason)
+                if self._kill_at is not None and now >= self._kill_at:
+                    self._kill("did not exit within --term-timeout-s after SIGTERM")
+        finally:
+            self._finish()
+        return self.outcome
+
+    def _wait(self, next_store_poll: float) -> None:
+        deadlines = [t for t in (self._kill_at, next_store_poll if self.store.multi_node
+                                 else None) if t is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        if any(w.pidfd is None for w in self.workers):
+            timeout = _PID_POLL_S if timeout is None else min(timeout, _PID_POLL_S)
+        for key, _ in self._sel.select(timeout):
+            if key.data is not None and not key.data.pump():
+                self._sel.unregister(key.fileobj)
+
+    def _on_exit(self, w: WorkerProcess) -> None:
+        if w.pidfd is not None:
+            self._sel.unregister(w.pidfd)
+        code = w.poll()
+        self.outcome.exit_codes[w.spec.rank] = code
+        if code == 0 or self.outcome.stopping:
+            logger.info("rank %d exited with %s", w.spec.rank, describe_exit_code(code))
+            return
+        w.pump()  # the last words on its stderr belong in the report
+        failure = w.failure(self.node_rank)
+        self.outcome.failure = failure
+        self.store.publish_stop(StopRecord(node_rank=self.node_rank,
+                                           reason=failure.describe(), rank=failure.rank,
+                                           exit_code=failure.exit_code))
+        self._stop(f"rank {w.spec.rank} failed with {describe_exit_code(code)}")
+
+    def _on_signals(self) -> None:
+        if not self.signals.received:
+            return
+        self.signals.drain()
+        sig = self.signals.received[0]
+        if self.outcome.stopping and len(self.signals.received) > 1:
+            self.signals.received[:] = [sig]
+            self._kill(f"second stop signal ({signal.Signals(sig).name})")
+            return
+        if self.outcome.stopping:
+            return
+        self.outcome.signal = sig
+        name = signal.Signals(sig).name
+        self.store.publish_stop(StopRecord(node_rank=self.node_rank,
+                                           reason=f"{name} to the launcher of node "
+                                                  f"{self.node_rank}"))
+        self._stop(f"{name} received")
+
+    def _stop(self, why: str) -> None:
+        logger.warning("%s: stopping every rank of this node (SIGTERM, SIGKILL after %gs)",
+                       why, self.term_timeout_s)
+        for w in self.workers:  # exited ones too: their children may still run
+            w.signal_group(signal.SIGTERM)
+        self._kill_at = time.monotonic() + self.term_timeout_s
+
+    def _kill(self, why: str) -> None:
+        logger.warning("%s: sending SIGKILL to every rank of this node", why)
+        for w in self.workers:
+            w.signal_group(signal.SIGKILL)
+        self._kill_at = None
+
+    def _finish(self) -> None:
+        for w in self.workers:  # whatever the workers left behind in their groups
+            if w.poll() is None:
+                w.signal_group(signal.SIGKILL)
+                w.popen.wait()
+            w.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + _DRAIN_S
+        while any(w.stderr_fd is not None for w in self.workers):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break  # a descendant in another session still holds the pipe
+            for key, _ in self._sel.select(remaining):
+                if key.data is not None and not key.data.pump():
+                    self._sel.unregister(key.fileobj)
+        self._sel.close()
+        for w in self.workers:
+            w.close()
+
+
+def wait_for_other_nodes(store: LaunchStore, signals: StopSignals, *, timeout_s: float):
+    """Node 0 keeps the store up until every launcher is done (bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(signals.fd, selectors.EVENT_READ)
+        while not store.all_done() and not signals.received:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning("not every node finished within %gs; closing the store",
+                               timeout_s)
+                return
+            sel.select(min(remaining, STORE_POLL_S / 2))

@@ -1,0 +1,81 @@
+"""The ``atom`` console script, run as a subprocess on the real embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("embedded-model")
+
+ATOM = str(pathlib.Path(sys.executable).parent / "atom")
+SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "512"]
+TIMEOUT_S = 300  # generous liveness deadline on a shared 2-core machine
+
+
+def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([ATOM, *args], input=stdin, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+def test_generate_prints_text():
+    proc = _run("generate", "--prompt", "The capital of France is", "--max-tokens", "8",
+                "--temperature", "0", *SMALL_ENGINE)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_generate_bad_option_is_a_usage_error():
+    proc = _run("generate", "--prompt", "x", "--dtype", "float16")
+    assert proc.returncode == 2 and "dtype" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_chat_two_turns_then_eof():
+    proc = _run("chat", "--max-tokens", "8", "--temperature", "0", *SMALL_ENGINE,
+                stdin="What is the capital of France?\nAnd of Italy?\n")
+    assert proc.returncode == 0, proc.stderr
+    replies = proc.stdout.strip("\n").split("\n")
+    assert len(replies) >= 2 and "Paris" in replies[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_chat_ctrl_c_ends_cleanly():
+    proc = subprocess.Popen([ATOM, "chat", "--max-tokens", "400", "--temperature", "0", *SMALL_ENGINE],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"Write a long story about a dragon.\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
+        assert ready, "no reply started"
+        first = os.read(proc.stdout.fileno(), 64)
+        assert first
+        proc.send_signal(signal.SIGINT)  # mid-reply
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+
+
+def test_bench_offline_random_workload(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run("bench", "offline", "--random-input-len", "12", "--num-prompts", "3",
+                "--max-tokens", "4", "--output-json", str(out), *SMALL_ENGINE)
+    assert proc.returncode == 0, proc.stderr
+    assert "output tokens/s" in proc.stdout and "TTFT p50/p90/p99 (ms)" in proc.stdout
+    report = json.loads(out.read_text())
+    (atom,) = report["results"]
+    assert atom["num_requests"] == 3 and atom["num_output_tokens"] == 12
+    assert atom["num_prompt_tokens"] == 36
+    assert set(atom["ttft_ms"]) == {"p50", "p90", "p99"} and atom["output_tokens_per_s"] > 0
+
+
+def test_bench_offline_needs_a_workload():
+    proc = _run("bench", "offline", *SMALL_ENGINE)
+    assert proc.returncode == 2 and "--dataset" in proc.stderr
