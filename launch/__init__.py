@@ -1,4 +1,4 @@
-"""atom.launch: the torchrun-style launcher (single and multi-node, rank env contract, failure reporting).
+"""atom.launch: the torchrun-style launcher (single/multi-node, rank env contract, failures).
 
 Modules: ``launcher`` (``python -m atom.launch`` / ``atom launch``; its docstring is the env-var
 contract), ``workers`` (local worker processes: process groups, stderr tee), ``rendezvous`` (the

@@ -1,4 +1,4 @@
-"""``python -m atom.launch ...``: see :mod:`atom.launch.launcher` for the options and env contract."""
+"""``python -m atom.launch ...``: options and env contract in :mod:`atom.launch.launcher`."""
 
 import sys
 

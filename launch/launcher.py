@@ -15,30 +15,34 @@ distinct ``--node-rank``. ``--master-port 0`` (the single-node default) picks a 
 
 Environment of every worker (the rank contract; torchrun sets the starred ones the same way):
 
-=============================  ================================================================
-``RANK`` *                     global rank, ``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``
-``WORLD_SIZE`` *               ``NNODES * LOCAL_WORLD_SIZE`` (= DP size while TP is 1)
-``LOCAL_RANK`` *               rank on this node, ``0 <= LOCAL_RANK < LOCAL_WORLD_SIZE``
-``LOCAL_WORLD_SIZE`` *         ``--nproc-per-node``
-``NODE_RANK`` / ``NNODES``     ``--node-rank`` / ``--nnodes`` (torchrun: ``GROUP_RANK``)
-``MASTER_ADDR`` *              host of the rendezvous store: node 0's launcher
-``MASTER_PORT`` *              its port (the actual one when ``--master-port 0``)
-``TORCHELASTIC_USE_AGENT_STORE`` * ``True``: the launcher hosts the store, so every rank, rank 0
-                               too, connects as a client; pass
-                               ``atom.launch.env.worker_store(info, timeout_s=...)`` as
-                               ``init_process_groups(..., store=...)``
-``OMP_NUM_THREADS``            cores ÷ ``LOCAL_WORLD_SIZE`` (at least 1), unless already set
-``ATOM_ERROR_FILE``            per-rank file for the traceback (see :mod:`atom.launch.errors`;
-                               torchrun's is ``TORCHELASTIC_ERROR_FILE``)
-``ATOM_LAUNCHER_PID``          the launcher's pid (``atom.launch.env.launched_by_launcher()``)
-=============================  ================================================================
+====================================  =========================================================
+``RANK`` *                            global rank, ``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``
+``WORLD_SIZE`` *                      ``NNODES * LOCAL_WORLD_SIZE`` (= DP size while TP is 1)
+``LOCAL_RANK`` *                      rank on this node, ``0 <= LOCAL_RANK < LOCAL_WORLD_SIZE``
+``LOCAL_WORLD_SIZE`` *                ``--nproc-per-node``
+``NODE_RANK``, ``NNODES``             ``--node-rank``, ``--nnodes`` (torchrun: ``GROUP_RANK``)
+``MASTER_ADDR`` *                     host of the rendezvous store: node 0's launcher
+``MASTER_PORT`` *                     its port (the actual one when ``--master-port 0``)
+``TORCHELASTIC_USE_AGENT_STORE`` *    ``True``: the launcher hosts the store, so every rank,
+                                      rank 0 too, connects as a client: pass
+                                      ``atom.launch.env.worker_store(info, timeout_s=...)``
+                                      as ``init_process_groups(..., store=...)``
+``OMP_NUM_THREADS``                   cores ÷ ``LOCAL_WORLD_SIZE`` (at least 1) unless set
+``ATOM_ERROR_FILE``                   per-rank file for the rank's traceback
+                                      (:mod:`atom.launch.errors`; torchrun's variable is
+                                      ``TORCHELASTIC_ERROR_FILE``)
+``ATOM_LAUNCHER_PID``                 the launcher's pid
+                                      (``atom.launch.env.launched_by_launcher()``)
+====================================  =========================================================
 
 **Under torchrun.** ``torchrun --nproc-per-node 2 -m atom.entrypoints.cli generate ...`` works
 too: each process torchrun starts is one rank, with the same contract (torchrun's agent hosts the
 store and sets ``TORCHELASTIC_USE_AGENT_STORE=True``). An ``atom`` command therefore never asks
 who launched it: ``atom.launch.env.rank_env_present()`` says it is one rank of several,
 ``RankInfo.from_env()`` reads the contract and ``worker_store()`` connects to whichever launcher
-hosts the store. Worker-side error recording writes to torchrun's error file there.
+hosts the store. Worker-side error recording writes to torchrun's error file there. Whatever a
+rank starts (rank 0 runs the front end as its child, not inside its busy loop) belongs to that
+rank's process group here, and is stopped with it.
 
 **Failures.** Each worker leads its own process group. When a worker exits non-zero or dies of a
 signal, the launcher sends SIGTERM to every worker's group, SIGKILL after ``--term-timeout-s``
@@ -67,7 +71,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from atom.launch import env as launch_env
-from atom.launch.rendezvous import STORE_POLL_S, LaunchStore
+from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
 from atom.launch.supervisor import Outcome, StopSignals, Supervisor, wait_for_other_nodes
 from atom.launch.workers import WorkerSpec, start_workers
 
@@ -182,21 +186,27 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
         OSError: a worker cannot be started (the others are killed first).
     """
     console = sys.stderr if console is None else console
-    own_log_dir = config.log_dir is None
-    log_dir = tempfile.mkdtemp(prefix="atom-launch-") if own_log_dir else config.log_dir
-    os.makedirs(log_dir, exist_ok=True)
     # Until workers exist, SIGINT/SIGTERM keep their default (fatal) effect: nothing to clean.
     store = LaunchStore.open(master_addr=config.master_addr, master_port=config.master_port,
                              node_rank=config.node_rank, nnodes=config.nnodes,
                              timeout_s=config.rdzv_timeout_s)
     if store.multi_node:
         store.join(config.nproc_per_node, timeout_s=config.rdzv_timeout_s)
+    own_log_dir = config.log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="atom-launch-") if own_log_dir else config.log_dir
+    os.makedirs(log_dir, exist_ok=True)
     specs = _worker_specs(config, master_port=store.port, log_dir=log_dir)
     logger.info("node %d/%d: starting ranks %d-%d of %d (store %s, logs %s): %s",
                 config.node_rank, config.nnodes, specs[0].rank, specs[-1].rank,
                 config.world_size, store.address, log_dir, " ".join(specs[0].argv))
     with StopSignals() as signals:
-        workers = start_workers(specs, console=console)
+        try:
+            workers = start_workers(specs, console=console)
+        except OSError as e:  # e.g. --no-python with a command that does not exist
+            store.publish_stop(StopRecord(node_rank=config.node_rank,
+                                          reason=f"node {config.node_rank} could not start "
+                                                 f"its ranks: {e}"))
+            raise
         outcome = Supervisor(workers, signals=signals, store=store,
                              term_timeout_s=config.term_timeout_s).run()
         store.mark_done()
@@ -213,8 +223,12 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
 def _report(outcome: Outcome, *, config: LaunchConfig, log_dir: str) -> None:
     codes = ", ".join(f"rank {r}: {c}" for r, c in sorted(outcome.exit_codes.items()))
     if outcome.failure is not None:
-        logger.error("%s\nthe launcher stopped the other ranks (exit codes: %s; logs in %s)",
-                     outcome.failure.describe(), codes, log_dir)
+        stopped = "the launcher stopped the other ranks; " if len(outcome.exit_codes) > 1 else ""
+        logger.error("%s\n%sexit codes: %s; logs in %s", outcome.failure.describe(), stopped,
+                     codes, log_dir)
+        if outcome.remote is not None:
+            logger.error("another node had stopped first, likely the root cause: %s",
+                         outcome.remote.reason)
     elif outcome.remote is not None:
         logger.error("stopped because another node stopped: %s\n(this node's exit codes: %s; "
                      "logs in %s)", outcome.remote.reason, codes, log_dir)

@@ -25,8 +25,10 @@ import json
 import os
 import socket
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 STORE_POLL_S = 1.0  # how often a launcher looks for another node's stop record
 _PREFIX = "atom/launch/"
@@ -88,6 +90,8 @@ class LaunchStore:
             RuntimeError: node 0 cannot bind ``master_port``, or another node cannot reach
                 node 0's store within ``timeout_s``; the message says what to check.
         """
+        import torch.distributed as dist  # lazy: `atom launch --help` should not wait for torch
+
         is_host = node_rank == 0
         address = f"{master_addr}:{master_port}"
         try:
@@ -117,12 +121,14 @@ class LaunchStore:
             TimeoutError: some node did not join within ``timeout_s``.
         """
         me = json.dumps({"nproc_per_node": nproc_per_node, "host": socket.gethostname(),
-                         "pid": os.getpid()})
+                         "pid": os.getpid(), "token": os.urandom(8).hex()})
         got = self.store.compare_set(_node_key(self.node_rank), "", me).decode("utf-8")
         if got != me:
             raise ValueError(f"--node-rank {self.node_rank} is already taken by another "
                              f"launcher ({got}): give every node a distinct --node-rank in "
                              f"[0, {self.nnodes})")
+        import torch.distributed as dist
+
         keys = [_node_key(r) for r in range(self.nnodes)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=timeout_s))

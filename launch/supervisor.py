@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
-from atom.launch.workers import WorkerFailure, WorkerProcess, describe_exit_code, exit_status
+from atom.launch.workers import WorkerFailure, WorkerProcess, exit_status
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,9 @@ _DRAIN_S = 2.0  # after the last worker exits, how long to wait for its stderr t
 
 
 class StopSignals:
-    """While entered: SIGINT/SIGTERM/SIGHUP are recorded (not fatal) and wake the event loop
-    through :attr:`fd` (``signal.set_wakeup_fd``). Main thread only."""
+    """While entered: SIGINT/SIGTERM/SIGHUP (unless ignored, as under nohup) are recorded, not
+    fatal, and wake the event loop through :attr:`fd` (``signal.set_wakeup_fd``). Main thread
+    only."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -45,6 +46,8 @@ class StopSignals:
         os.set_blocking(self._write_fd, False)
         self._saved_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for sig in _STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: a hang-up must not stop the ranks
             self._saved[sig] = signal.signal(sig, lambda signum, _frame:
                                              self.received.append(signum))
         return self
@@ -66,11 +69,12 @@ class StopSignals:
 
 @dataclass
 class Outcome:
-    """How the run ended; the first stop reason wins."""
+    """How the run ended. The first stop reason wins, except that a local failure seen after
+    another node's stop record keeps both (the remote one is then the likely root cause)."""
 
-    failure: WorkerFailure | None = None
-    signal: int | None = None
-    remote: StopRecord | None = None
+    failure: WorkerFailure | None = None  # a local rank that failed first
+    signal: int | None = None  # a stop signal to this launcher
+    remote: StopRecord | None = None  # another node stopped first
     exit_codes: dict[int, int] = field(default_factory=dict)  # rank → exit code
 
     @property
@@ -97,6 +101,7 @@ class Supervisor:
         self.node_rank, self.term_timeout_s = store.node_rank, term_timeout_s
         self.outcome = Outcome()
         self._kill_at: float | None = None
+        self._num_signals_seen = 0
         self._sel = selectors.DefaultSelector()
         self._sel.register(signals.fd, selectors.EVENT_READ, None)
         for w in workers:
@@ -110,10 +115,10 @@ class Supervisor:
         try:
             while running:
                 self._wait(next_store_poll)
-                for w in list(running):
-                    if w.poll() is not None:
-                        running.remove(w)
-                        self._on_exit(w)
+                exited = [w for w in running if w.poll() is not None]
+                for w in sorted(exited, key=WorkerProcess.blame_order):
+                    running.remove(w)
+                    self._on_exit(w)
                 self._on_signals()
                 now = time.monotonic()
                 if self.store.multi_node and now >= next_store_poll:
@@ -122,7 +127,8 @@ class Supervisor:
                         remote = self.store.remote_stop()
                         if remote is not None:
                             self.outcome.remote = remote
-                            self._stop(remote.reason)
+                            self._stop(f"node {remote.node_rank} stopped: "
+                                       f"{remote.reason.splitlines()[0]}")
                 if self._kill_at is not None and now >= self._kill_at:
                     self._kill("did not exit within --term-timeout-s after SIGTERM")
         finally:
@@ -136,8 +142,13 @@ class Supervisor:
         if any(w.pidfd is None for w in self.workers):
             timeout = _PID_POLL_S if timeout is None else min(timeout, _PID_POLL_S)
         for key, _ in self._sel.select(timeout):
-            if key.data is not None and not key.data.pump():
-                self._sel.unregister(key.fileobj)
+            if key.data is not None:
+                self._pump(key.data)
+
+    def _pump(self, w: WorkerProcess) -> None:
+        if w.stderr_fd is not None and not w.pump():
+            self._sel.unregister(w.stderr_fd)
+            w.close_stderr()
 
     def _on_exit(self, w: WorkerProcess) -> None:
         if w.pidfd is not None:
@@ -145,33 +156,38 @@ class Supervisor:
         code = w.poll()
         self.outcome.exit_codes[w.spec.rank] = code
         if code == 0 or self.outcome.stopping:
-            logger.info("rank %d exited with %s", w.spec.rank, describe_exit_code(code))
+            logger.info("rank %d exited with exit code %d%s", w.spec.rank, code,
+                        " (stopped by the launcher)" if self.outcome.stopping else "")
             return
-        w.pump()  # the last words on its stderr belong in the report
+        self._pump(w)  # the last words on its stderr belong in the report
         failure = w.failure(self.node_rank)
         self.outcome.failure = failure
+        # a rank here often dies of a peer's death elsewhere (gloo: connection reset): keep
+        # another node's earlier stop record as the likely root cause
+        self.outcome.remote = self.store.remote_stop()
         self.store.publish_stop(StopRecord(node_rank=self.node_rank,
                                            reason=failure.describe(), rank=failure.rank,
                                            exit_code=failure.exit_code))
-        self._stop(f"rank {w.spec.rank} failed with {describe_exit_code(code)}")
+        self._stop(f"rank {w.spec.rank} failed with exit code {code}")
 
     def _on_signals(self) -> None:
-        if not self.signals.received:
+        """The first stop signal stops the workers gracefully; any later one (a second
+        Ctrl-C, or one while a failure is being handled) kills them at once."""
+        new = self.signals.received[self._num_signals_seen:]
+        if not new:
             return
+        self._num_signals_seen += len(new)
         self.signals.drain()
-        sig = self.signals.received[0]
-        if self.outcome.stopping and len(self.signals.received) > 1:
-            self.signals.received[:] = [sig]
-            self._kill(f"second stop signal ({signal.Signals(sig).name})")
-            return
-        if self.outcome.stopping:
-            return
-        self.outcome.signal = sig
-        name = signal.Signals(sig).name
-        self.store.publish_stop(StopRecord(node_rank=self.node_rank,
-                                           reason=f"{name} to the launcher of node "
-                                                  f"{self.node_rank}"))
-        self._stop(f"{name} received")
+        for sig in new:
+            name = signal.Signals(sig).name
+            if self.outcome.stopping:
+                self._kill(f"{name} while stopping")
+                continue
+            self.outcome.signal = sig
+            self.store.publish_stop(StopRecord(node_rank=self.node_rank,
+                                               reason=f"{name} to the launcher of node "
+                                                      f"{self.node_rank}"))
+            self._stop(f"{name} received")
 
     def _stop(self, why: str) -> None:
         logger.warning("%s: stopping every rank of this node (SIGTERM, SIGKILL after %gs)",
@@ -198,8 +214,8 @@ class Supervisor:
             if remaining <= 0:
                 break  # a descendant in another session still holds the pipe
             for key, _ in self._sel.select(remaining):
-                if key.data is not None and not key.data.pump():
-                    self._sel.unregister(key.fileobj)
+                if key.data is not None:
+                    self._pump(key.data)
         self._sel.close()
         for w in self.workers:
             w.close()

@@ -130,11 +130,21 @@ class WorkerProcess:
         """The exit code once the worker has exited (negative: killed by that signal)."""
         return self.popen.poll()
 
+    def blame_order(self) -> tuple:
+        """Sort key among workers seen exiting at the same time, root cause first: a death by
+        signal (a peer's death reaches the others as Python errors, e.g. gloo's "connection
+        reset"), then the earliest recorded traceback, then the rank."""
+        try:
+            recorded_at = os.path.getmtime(self.spec.error_path)
+        except OSError:
+            recorded_at = float("inf")
+        return (self.popen.returncode >= 0, recorded_at, self.spec.rank)
+
     def pump(self) -> bool:
         """Move whatever stderr is available to the log file and the console.
-        Returns False at end of file (every writer of the pipe has exited)."""
-        if self.stderr_fd is None:
-            return False
+        Returns False at end of file (every writer of the pipe has exited); the owner of the
+        event loop then stops watching :attr:`stderr_fd` and calls :meth:`close_stderr`."""
+        assert self.stderr_fd is not None, "pump() after close_stderr()"
         while True:
             try:
                 data = os.read(self.stderr_fd, _READ_BYTES)
@@ -142,8 +152,6 @@ class WorkerProcess:
                 return True
             if not data:
                 self._flush_partial()
-                self.popen.stderr.close()
-                self.stderr_fd = None
                 return False
             self._log.write(data)
             self._log.flush()
@@ -179,11 +187,16 @@ class WorkerProcess:
                              exit_code=self.popen.returncode, details=details,
                              log_path=self.spec.log_path)
 
-    def close(self) -> None:
+    def close_stderr(self) -> None:
+        """Stop reading stderr (end of file, or giving up on a descendant that keeps it)."""
         self._flush_partial()
         if self.stderr_fd is not None:
             self.popen.stderr.close()
             self.stderr_fd = None
+
+    def close(self) -> None:
+        """Release the pipe, pidfd and log file (the process must have been reaped)."""
+        self.close_stderr()
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
