@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, subparser=chat)
 
+    sub.add_parser("launch", help="start N ranks torchrun-style: atom launch --nproc-per-node N -- "
+                                  "COMMAND (see `atom launch --help`)")
     bench_parser = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="offline throughput (scripts/bench_offline.py)",
@@ -125,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atom`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # its own parser: everything after the options is the command
+        from atom.launch.launcher import main as launch_main
+
+        return launch_main(argv[1:], prog="atom launch")
+    from atom.launch.env import rank_env_present
+
+    if rank_env_present():  # a rank under atom launch / torchrun: report tracebacks to it
+        from atom.launch.errors import install_error_handler
+
+        install_error_handler()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
