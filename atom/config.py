@@ -1,7 +1,7 @@
 """Engine configuration: frozen dataclasses, one default per field, the CLI generated from them.
 
 Values found at run time (number of KV blocks, EOS ids) are not here: they live in
-:class:`atom.engine.EngineRuntime`.
+:class:`atom.engine_core.EngineRuntime`.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class FinishRequests(msgspec.Struct, tag="finish", frozen=True):
 
 class UtilityCall(msgspec.Struct, tag="utility", frozen=True):
     call_id: int
-    method: str  # "get_stats" | "reset_prefix_cache"
+    method: str  # one of atom.engine_core.UTILITY_METHODS
 
 
 class StartWave(msgspec.Struct, tag="start_wave", frozen=True):
@@ -90,7 +90,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 CoreInput = EngineCoreRequest | AbortRequests | FinishRequests | UtilityCall | StartWave | Shutdown
 
 
-class SeqOutput(msgspec.Struct, frozen=True):
+class SeqOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     """New tokens of one sequence from one step (or its finish)."""
 
     request_id: str
@@ -103,7 +103,8 @@ class SeqOutput(msgspec.Struct, frozen=True):
     error: str | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # whole list, sent once at finish
+    # whole list (one entry per prompt token), sent once: with choice 0's first sampled token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", frozen=True):
@@ -118,6 +119,7 @@ class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    kv_cache_bytes: int
     dtype: str
 
 

@@ -30,6 +30,12 @@ def _shutdown_all() -> None:
 class LLM:
     """Generate text offline with one engine.
 
+    The engine core (weights, KV cache, scheduler) runs in its own process, started here and
+    stopped by :meth:`shutdown` (or the context manager, or at interpreter exit); this process
+    tokenizes, detokenizes and matches stop strings. If that process dies, calls raise
+    :class:`atom.engine_core_client.EngineDeadError` instead of hanging. (For the engine in
+    this process, e.g. to look at its scheduler, use :class:`atom.engine.LLMEngine`.)
+
     Args:
         model: path of a .gguf file or a Hugging Face folder; None = the embedded
             SmolLM2-135M-Instruct.
@@ -39,13 +45,14 @@ class LLM:
 
     Raises:
         TypeError: an unknown option. ValueError: an invalid option value.
+        RuntimeError: the engine-core process failed to start (its exit code and stderr tail).
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any):
         from atom.engine import LLMEngine
 
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self.engine: LLMEngine | None = LLMEngine(self.config, multiprocess=True)
         self._counter = itertools.count()
         _live_llms.add(self)
 
@@ -56,7 +63,8 @@ class LLM:
 
     def get_stats(self) -> dict[str, int]:
         """num_free_blocks, num_total_blocks, num_running, num_waiting, num_preemptions,
-        prefix_cache_queries, prefix_cache_hits (the last two in tokens)."""
+        prefix_cache_queries, prefix_cache_hits (both in tokens), num_aborted_seqs (client
+        aborts), num_front_end_finished_seqs (ended by a stop string)."""
         return self._engine.get_stats()
 
     def generate(self, prompts: PromptType | list[PromptType],
@@ -131,7 +139,7 @@ class LLM:
                         yield completion.text[num_sent:]
                         num_sent = len(completion.text)
         finally:
-            if not finished:
+            if not finished and self.engine is engine and engine.client_is_alive():
                 engine.abort_request(request_id)
                 engine.step()  # collect the abort's output so the engine is idle again
 
@@ -142,8 +150,10 @@ class LLM:
                                              add_generation_prompt=add_generation_prompt)
 
     def shutdown(self) -> None:
-        """Release the engine (idempotent)."""
-        self.engine = None
+        """Stop the engine-core process and release the engine (idempotent)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

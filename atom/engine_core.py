@@ -1,0 +1,325 @@
+"""EngineCore: one rank's tokenizer-free core — scheduler, block manager, model runner, sampler.
+
+The core speaks token ids only (DESIGN.md, "Processes and data flow"): it takes
+:class:`~atom.messages.EngineCoreRequest` s and returns :class:`~atom.messages.SeqOutput` s (new
+token ids and logprobs per sampled sequence, and finishes). Text, stop strings and per-request
+output assembly live in the front end (:mod:`atom.output_processor`).
+
+It runs in-process (:class:`atom.engine.LLMEngine`) or inside its own process
+(:mod:`atom.engine_core_proc`), whose busy loop calls :attr:`EngineCore.step_fn`: the seam the
+data-parallel loop wraps (control sync before the step, dummy batches) without this module
+importing ``atom.dp``.
+
+What a step reports, per sequence:
+
+- a sampled token: ``new_token_ids=[token]`` (plus its logprobs entry when requested) and, if the
+  token ended the sequence (EOS, stop token id, ``max_tokens``, ``max_model_len``), its
+  ``finish_reason``;
+- a sequence finished without a token (rejected at ``add_request`` with ``error``, or cut
+  because the KV pool cannot hold it): ``new_token_ids=[]`` and the finish;
+- prompt logprobs go once, whole, with the first sampled token of choice 0: by then every
+  prompt position has been computed (sampling happens only after the last prompt chunk). A
+  request that ends before its first token never sends them.
+
+Sequences finished from outside (:meth:`EngineCore.abort_requests`,
+:meth:`EngineCore.finish_requests`) report nothing: the front end ended them and already knows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from atom.block_manager import BlockManager
+from atom.config import EngineConfig
+from atom.messages import EngineCoreRequest, SeqOutput
+from atom.sampler import Sampler, top_logprobs
+from atom.scheduler import PrefillGate, Scheduler, SchedulerConfig, SchedulerOutput
+from atom.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+_MAX_DEFAULT_MODEL_LEN = 8192
+UTILITY_METHODS = ("get_stats", "reset_prefix_cache")  # what a UtilityCall may name
+
+
+@dataclass(frozen=True)
+class EngineRuntime:
+    """Values found at start-up (not user settings); the front end gets them in ReadyMessage."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_cache_bytes: int
+    dtype: str
+
+
+class _RequestState:
+    """The core's view of one request: its sequences and (choice 0's) prompt logprobs."""
+
+    __slots__ = ("seqs", "prompt_logprobs")
+
+    def __init__(self, seqs: list[Sequence], prompt_logprobs: list[dict[int, float] | None] | None):
+        self.seqs = seqs
+        self.prompt_logprobs = prompt_logprobs
+
+
+class EngineCore:
+    """Runs token-id requests on one rank.
+
+    Owns the model runner (weights, KV cache tensors), the block manager, the scheduler and
+    the sampler; mutates sequence state only through the scheduler. Not thread-safe: one
+    caller (the busy loop, or the in-process engine) drives it.
+
+    Args:
+        config: engine options.
+        prefill_gate: the scheduler's prefill gate (the DP PrefillDelayer plugs in here).
+        extra_eos_token_ids: EOS ids the front end knows besides the model config's (e.g. the
+            tokenizer's ``eos_token_id``); the core has no tokenizer of its own.
+
+    Raises:
+        ValueError: invalid options or a model that cannot be loaded.
+    """
+
+    def __init__(self, config: EngineConfig, *, prefill_gate: PrefillGate | None = None,
+                 extra_eos_token_ids: tuple[int, ...] = ()):
+        from atom.model_loader import load_model_weights
+        from atom.model_runner import ModelRunner
+
+        self.config = config
+        torch.set_num_threads(config.resolved_num_threads())
+        dtype_name = config.resolved_dtype()
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+        arch, weights = load_model_weights(config.model, dtype)
+        max_model_len = config.max_model_len or min(arch.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
+        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(arch, dtype=dtype, block_size=config.block_size)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // bytes_per_block)
+        if num_blocks * config.block_size < max_model_len:
+            logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
+                           "will be preempted or cut", num_blocks * config.block_size, max_model_len)
+        self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
+                                  block_size=config.block_size, max_model_len=max_model_len)
+        eos = tuple(sorted(set(arch.eos_token_ids) | set(extra_eos_token_ids)))
+        self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                                     vocab_size=arch.vocab_size, eos_token_ids=eos,
+                                     kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.block_manager, eos_token_ids=eos, prefill_gate=prefill_gate)
+        self.sampler = Sampler(eos, seed=config.seed)
+        self._requests: dict[str, _RequestState] = {}
+        self._pending: list[SeqOutput] = []  # finishes decided outside a step (rejections)
+        self.num_aborted_seqs = 0
+        self.num_front_end_finished_seqs = 0
+        # The busy loop calls this; the DP loop replaces it with a wrapper around ``step``.
+        self.step_fn = self.step
+        logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
+                    "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
+                    num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
+
+    # ----- inputs -----
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. A request that can never run (token ids outside the vocabulary, an
+        empty or too long prompt, a duplicate id) is finished with ``error`` and its message,
+        reported by the next :meth:`step`; this never raises for a bad request.
+        """
+        params = request.sampling_params.to_params()
+        seqs = [Sequence(request.request_id, list(request.prompt_token_ids), params, index=i,
+                         arrival_time_s=request.arrival_time_s) for i in range(params.n)]
+        if request.request_id in self._requests:
+            # Not registered: the running request of that id must not be disturbed.
+            message = f"request_id {request.request_id!r} is already running; use a unique id"
+            self._pending += [_finish_output(seq, FinishReason.ERROR, error=message) for seq in seqs]
+            return
+        error = self._validate(request)
+        prompt_logprobs = ([None] * len(seqs[0].token_ids)
+                           if params.prompt_logprobs is not None else None)
+        self._requests[request.request_id] = _RequestState(seqs, prompt_logprobs)
+        for seq in seqs:
+            if error is not None:
+                self.scheduler._finish(seq, FinishReason.ERROR, error_message=error)
+            else:
+                self.scheduler.add(seq)  # may reject (too long, empty): finishes it with error
+            if seq.is_finished:
+                self._pending.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))
+        self._forget_if_done(request.request_id)
+
+    def _validate(self, request: EngineCoreRequest) -> str | None:
+        params = request.sampling_params
+        return check_token_ids(request.prompt_token_ids, params.stop_token_ids,
+                               list(params.logit_bias), vocab_size=self.runtime.vocab_size)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Client aborts: finish every unfinished sequence with ``abort`` and free its KV blocks
+        now. Unknown or finished ids are ignored. Nothing is reported (the front end knows)."""
+        for request_id in request_ids:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ABORT)
+                    self.num_aborted_seqs += 1
+            self._forget_if_done(request_id)
+
+    def finish_requests(self, seq_keys: list[tuple[str, int]], stop_reasons: list[str]) -> None:
+        """The front end found a stop string: finish those sequences with ``stop`` and free
+        their KV blocks now. Not an abort (counted apart). Sequences that already finished here
+        (e.g. on ``max_tokens`` in the step the front end had not seen yet) are ignored.
+
+        Args:
+            seq_keys: ``(request_id, choice index)`` pairs.
+            stop_reasons: the matched stop string of each pair.
+        """
+        for (request_id, index), stop in zip(seq_keys, stop_reasons):
+            state = self._requests.get(request_id)
+            if state is None or not 0 <= index < len(state.seqs):
+                continue
+            seq = state.seqs[index]
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
+                self.num_front_end_finished_seqs += 1
+            self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is not None and all(seq.is_finished for seq in state.seqs):
+            for seq in state.seqs:
+                self.sampler.release(seq.seq_id)
+            del self._requests[request_id]
+
+    # ----- the step -----
+
+    def has_work(self) -> bool:
+        """Unfinished sequences or unreported finishes exist (the busy loop keeps stepping)."""
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def step(self) -> list[SeqOutput]:
+        """Run one tick: schedule → forward → sample → postprocess. Returns what changed (see
+        the module docstring); rejected requests' finishes come first."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            if seq.is_finished:  # cut: the pool cannot hold this sequence even alone
+                outputs.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))
+                self._forget_if_done(seq.request_id)
+        if not sched.is_empty:
+            outputs += self._execute(sched)
+        # KV events are not published yet (no subscriber): drop them so they do not pile up.
+        self.block_manager.take_events()
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> list[SeqOutput]:
+        model_out = self.runner.execute_model(sched.scheduled)
+        by_id = {seq.seq_id: seq for seq, _ in sched.scheduled}
+        sampled_seqs = [by_id[i] for i in model_out.sampled_seq_ids]
+        self._record_prompt_logprobs(model_out.prompt_logits, by_id)
+        if not sampled_seqs:
+            self.scheduler.postprocess(sched, {})
+            return []
+        sampled = self.sampler(model_out.logits, sampled_seqs)
+        self.scheduler.postprocess(sched, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
+        outputs = []
+        finished_request_ids = []
+        for row, seq in enumerate(sampled_seqs):
+            logprobs = sampled.logprobs[row]
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            seq.cumulative_logprob += sampled.sampled_logprobs[row]
+            state = self._requests[seq.request_id]
+            send_prompt_logprobs = seq.index == 0 and seq.num_output_tokens == 1
+            outputs.append(SeqOutput(
+                request_id=seq.request_id, index=seq.index, new_token_ids=[seq.token_ids[-1]],
+                new_logprobs=None if logprobs is None else [logprobs],
+                cumulative_logprob=seq.cumulative_logprob,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason, error=seq.error_message,
+                num_cached_tokens=seq.num_cached_tokens, num_prompt_tokens=seq.num_prompt_tokens,
+                prompt_logprobs=state.prompt_logprobs if send_prompt_logprobs else None))
+            if seq.is_finished:
+                finished_request_ids.append(seq.request_id)
+        for request_id in finished_request_ids:  # after the loop: siblings may still be in it
+            self._forget_if_done(request_id)
+        return outputs
+
+    def _record_prompt_logprobs(self, prompt_logits: dict[int, torch.Tensor],
+                                by_id: dict[int, Sequence]) -> None:
+        """Fill ``prompt_logprobs[p + 1]`` from the logits row of prompt position ``p``.
+
+        Runs before ``postprocess``, so ``num_computed_tokens`` is still the first position
+        computed this step. Positions recomputed after a preemption are skipped (already
+        filled). Prompt-logprob requests bypass the prefix cache (block manager), so every
+        position is computed once.
+        """
+        for seq_id, logits in prompt_logits.items():
+            seq = by_id[seq_id]
+            state = self._requests[seq.request_id]
+            if seq.index != 0 or state.prompt_logprobs is None:
+                continue
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            for row in range(logprobs.shape[0]):
+                target = seq.num_computed_tokens + row + 1
+                if target < seq.num_prompt_tokens and state.prompt_logprobs[target] is None:
+                    state.prompt_logprobs[target] = top_logprobs(
+                        logprobs[row], seq.token_ids[target], seq.sampling_params.prompt_logprobs)
+
+    # ----- stats and utilities -----
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters of the KV pool, queues, prefix cache (in tokens) and outside finishes
+        (``num_aborted_seqs``: client aborts; ``num_front_end_finished_seqs``: stop strings)."""
+        bm = self.block_manager
+        return {
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_aborted_seqs": self.num_aborted_seqs,
+            "num_front_end_finished_seqs": self.num_front_end_finished_seqs,
+        }
+
+    def reset_prefix_cache(self) -> dict[str, bool]:
+        """Drop the prefix cache; ``{"reset": False}`` (nothing done) while blocks are in use."""
+        return {"reset": self.block_manager.reset_prefix_cache()}
+
+    def call_utility(self, method: str) -> dict[str, int | float | bool]:
+        """Run a utility method by name (one of ``UTILITY_METHODS``).
+
+        Raises:
+            ValueError: an unknown method name.
+        """
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}; known: {list(UTILITY_METHODS)}")
+        return getattr(self, method)()
+
+
+def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int], logit_bias_ids: list[int],
+                    *, vocab_size: int) -> str | None:
+    """Why a request's token ids cannot run (an id outside ``[0, vocab_size)``), or None."""
+    for what, ids in (("prompt token ids", prompt_token_ids), ("stop_token_ids", stop_token_ids),
+                      ("logit_bias token ids", logit_bias_ids)):
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            return f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def _finish_output(seq: Sequence, reason: FinishReason | None, *, error: str | None) -> SeqOutput:
+    """A finish with no new token (rejected, or cut by the KV pool)."""
+    return SeqOutput(request_id=seq.request_id, index=seq.index, new_token_ids=[],
+                     cumulative_logprob=seq.cumulative_logprob,
+                     finish_reason=None if reason is None else reason.value,
+                     stop_reason=seq.stop_reason, error=error,
+                     num_cached_tokens=seq.num_cached_tokens, num_prompt_tokens=seq.num_prompt_tokens)

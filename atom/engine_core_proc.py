@@ -1,0 +1,219 @@
+"""The EngineCore process: the busy loop between the input and output ZMQ sockets.
+
+Started by :class:`atom.engine_core_client.EngineCoreClient` as::
+
+    python -m atom.engine_core_proc --config-json '{...EngineConfig fields...}' \\
+        --input-addr ADDR --output-addr ADDR --dp-rank 0 [--extra-eos-token-ids 2 ...]
+
+The front end binds both sockets; this process connects a PULL socket to ``--input-addr``
+(:data:`~atom.messages.CoreInput` frames) and a PUSH socket to ``--output-addr``
+(:data:`~atom.messages.CoreOutput` frames). Every frame is msgspec msgpack; nothing is pickled
+(the config travels as JSON of :class:`~atom.config.EngineConfig` fields).
+
+Lifecycle and exit codes:
+
+- after the weights are loaded and the KV pool sized, one :class:`~atom.messages.ReadyMessage`;
+- the loop: with no work, block on the input socket (no busy spinning; it wakes once a second
+  only to notice a dead parent); with work, drain every pending input without blocking, then
+  :attr:`EngineCore.step_fn`, then send the step's outputs (if any);
+- :class:`~atom.messages.Shutdown` (or SIGTERM) → exit 0; the parent gone → exit 0;
+- an exception in start-up or the loop → the traceback on stderr, nothing more is sent,
+  exit 1. A client notices the exit code (``EngineDeadError``).
+
+SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the front end
+owns the lifecycle (it sends Shutdown on its way out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from atom.config import EngineConfig
+from atom.messages import (
+    AbortRequests,
+    CoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishRequests,
+    ReadyMessage,
+    SeqOutput,
+    Shutdown,
+    StartWave,
+    UtilityCall,
+    UtilityResult,
+    decode_input,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from atom.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # idle wake-up period, only to notice that the parent died
+
+
+class _ShutdownRequested(BaseException):
+    """SIGTERM arrived: leave the loop as if a Shutdown message had."""
+
+
+class EngineCoreProc:
+    """Drives one :class:`EngineCore` from ZMQ sockets (owns the sockets, not the core's state).
+
+    Args:
+        core: the loaded engine core.
+        input_addr: ZMQ endpoint the front end's PUSH socket is bound on.
+        output_addr: ZMQ endpoint the front end's PULL socket is bound on.
+        dp_rank: this core's DP rank (stamped on every output frame).
+    """
+
+    def __init__(self, core: EngineCore, *, input_addr: str, output_addr: str, dp_rank: int = 0):
+        self.core = core
+        self.dp_rank = dp_rank
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PULL)
+        self._input.connect(input_addr)
+        self._output = self._ctx.socket(zmq.PUSH)
+        self._output.connect(output_addr)
+        self._poller = zmq.Poller()
+        self._poller.register(self._input, zmq.POLLIN)
+        self._parent_pid = os.getppid()
+        self._shutdown = False
+
+    def send_ready(self) -> None:
+        rt = self.core.runtime
+        self._output.send(encode(ReadyMessage(
+            dp_rank=self.dp_rank, num_kv_blocks=rt.num_kv_blocks, max_model_len=rt.max_model_len,
+            vocab_size=rt.vocab_size, eos_token_ids=list(rt.eos_token_ids),
+            kv_cache_bytes=rt.kv_cache_bytes, dtype=rt.dtype)))
+
+    def run_busy_loop(self) -> None:
+        """Run until Shutdown, SIGTERM or the parent's death. Exceptions propagate.
+
+        The DP loop replaces this method (it decides from the gathered control state whether to
+        block or step) and reuses :meth:`process_inputs` and :meth:`send_outputs`.
+        """
+        while not self._shutdown:
+            if os.getppid() != self._parent_pid:  # cheap; outputs would pile up unread
+                logger.warning("[dp%d] the front end process is gone: exiting", self.dp_rank)
+                return
+            self.process_inputs(block=not self.core.has_work())
+            if self._shutdown or not self.core.has_work():
+                continue
+            self.send_outputs(self.core.step_fn())
+
+    def send_outputs(self, outputs: list[SeqOutput]) -> None:
+        """Send one step's sequence outputs as one frame (nothing for an empty step)."""
+        if outputs:
+            self._output.send(encode(EngineCoreOutputs(
+                dp_rank=self.dp_rank, outputs=outputs, timestamp_s=time.monotonic())))
+
+    @property
+    def shutdown_requested(self) -> bool:
+        return self._shutdown
+
+    def process_inputs(self, *, block: bool) -> None:
+        """Handle every pending input; with ``block``, first wait up to ``_IDLE_POLL_MS`` for
+        one (returning empty-handed, so the loop can check the parent). Inputs are handled in
+        arrival order, so a utility call sees the effect of every input sent before it."""
+        if block and not self._poller.poll(_IDLE_POLL_MS):
+            return  # nothing yet: the loop checks the parent and comes back
+        while self._input.poll(0):
+            frame = self._input.recv()
+            try:
+                message = decode_input(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # a front-end bug, tied to no request: drop the frame, keep serving the others
+                logger.error("[dp%d] dropped a malformed input frame: %s", self.dp_rank, exc)
+                continue
+            self.handle_input(message)
+            if self._shutdown:
+                return
+
+    def handle_input(self, message: CoreInput) -> None:
+        core = self.core
+        if isinstance(message, EngineCoreRequest):
+            core.add_request(message)
+        elif isinstance(message, AbortRequests):
+            core.abort_requests(message.request_ids)
+        elif isinstance(message, FinishRequests):
+            core.finish_requests([tuple(k) for k in message.seq_keys], message.stop_reasons)
+        elif isinstance(message, UtilityCall):
+            self._output.send(encode(self._run_utility(message)))
+        elif isinstance(message, Shutdown):
+            self._shutdown = True
+        elif isinstance(message, StartWave):
+            pass  # waves belong to the DP loop; a single rank is woken by the request itself
+        else:  # pragma: no cover - the decoder admits only the types above
+            raise TypeError(f"unexpected input {type(message).__name__}")
+
+    def _run_utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            result = self.core.call_utility(call.method)
+        except ValueError as exc:  # an unknown method: the caller's mistake, not the core's
+            return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id, error=str(exc))
+        return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id, result=result)
+
+    def close(self) -> None:
+        # linger bounded: a front end that is gone must not keep this process alive
+        self._ctx.destroy(linger=1000)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m atom.engine_core_proc",
+                                     description="one EngineCore process (started by the front end)")
+    parser.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
+    parser.add_argument("--input-addr", required=True)
+    parser.add_argument("--output-addr", required=True)
+    parser.add_argument("--dp-rank", type=int, default=0)
+    parser.add_argument("--extra-eos-token-ids", type=int, nargs="*", default=[])
+    parser.add_argument("--log-level", default="WARNING")
+    return parser.parse_args(argv)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _ShutdownRequested()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one EngineCore process; returns its exit code (0 on a clean shutdown, 1 on error)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(levelname)s [dp{args.dp_rank}] %(name)s: %(message)s")
+    proc = None
+    try:
+        # imported here, after the signal handlers: torch takes seconds to import
+        from atom.engine_core import EngineCore
+
+        config = EngineConfig.from_kwargs(**json.loads(args.config_json))
+        core = EngineCore(config, extra_eos_token_ids=tuple(args.extra_eos_token_ids))
+        proc = EngineCoreProc(core, input_addr=args.input_addr, output_addr=args.output_addr,
+                              dp_rank=args.dp_rank)
+        proc.send_ready()
+        proc.run_busy_loop()
+    except _ShutdownRequested:
+        logger.info("SIGTERM: shutting down")
+    except Exception:
+        logger.exception("engine core (dp rank %d) failed; exiting", args.dp_rank)
+        return 1
+    finally:
+        if proc is not None:
+            proc.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
