@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _DTYPES = ("auto", "bfloat16", "float32")
+DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,19 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     """Do not load a tokenizer: prompts must be token ids and outputs carry no text."""
     num_threads: int | None = None
-    """Torch intra-op threads; None = cores available to this process."""
+    """Torch intra-op threads; None = cores available to this process (divided among the DP
+    ranks of one node)."""
+    data_parallel_size: int = 1
+    """Number of data-parallel ranks (one EngineCore process each, stepping in lockstep)."""
+    dp_load_balance: str = "least_requests"
+    """DP router policy: least_requests (fewest unfinished requests, ties rotate) or round_robin."""
+    prefill_delayer: bool | None = None
+    """Hold prefills until the ranks can prefill together (cross-rank prefill alignment);
+    None = on when data_parallel_size > 1."""
+    prefill_delayer_max_delay_passes: int = 30
+    """Most consecutive ticks a prefill hold may last before prefills are allowed."""
+    prefill_delayer_kv_low_watermark: float | None = None
+    """KV usage fraction in (0, 1): a ready rank below it releases a hold; None = off."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -62,6 +75,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be >= 1 (bytes)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
+        if self.dp_load_balance not in DP_LOAD_BALANCE_POLICIES:
+            raise ValueError(f"dp_load_balance={self.dp_load_balance!r} is not supported: use one "
+                             f"of {DP_LOAD_BALANCE_POLICIES}")
+        if self.prefill_delayer_max_delay_passes < 1:
+            raise ValueError(f"prefill_delayer_max_delay_passes="
+                             f"{self.prefill_delayer_max_delay_passes} must be >= 1")
+        wm = self.prefill_delayer_kv_low_watermark
+        if wm is not None and not 0.0 < wm < 1.0:
+            raise ValueError(f"prefill_delayer_kv_low_watermark={wm} must be a fraction in (0, 1) "
+                             f"(or None: off)")
+
+    def resolved_prefill_delayer(self) -> bool:
+        """Whether the PrefillDelayer holds prefills (None = on when data_parallel_size > 1)."""
+        return self.data_parallel_size > 1 if self.prefill_delayer is None else self.prefill_delayer
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -98,11 +127,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if f.type in ("bool",) or isinstance(default, bool):
+        if str(f.type) in ("bool", "bool | None") or isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                 help=docs.get(f.name))
         else:
-            kind = {"int": int, "int | None": int, "str": str, "str | None": str}.get(str(f.type), str)
+            kind = {"int": int, "int | None": int, "str": str, "str | None": str,
+                    "float": float, "float | None": float}.get(str(f.type), str)
             parser.add_argument(flag, default=default, type=kind, help=docs.get(f.name))
 
 

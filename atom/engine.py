@@ -17,6 +17,8 @@ Both speak the same small client interface (``add_request``, ``abort``, ``finish
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -71,6 +73,8 @@ class LLMEngine:
         prefill_gate: the scheduler's prefill gate (the DP PrefillDelayer plugs in here);
             in-process only.
         multiprocess: run the engine core in its own process (see the module docstring).
+        client_factory: ``(config, extra_eos_token_ids) -> client`` building another client
+            with the same interface (the DP front end passes ``DPEngineCoreClient`` here).
 
     Raises:
         ValueError: invalid options, a model that cannot be loaded, or a prefill gate with
@@ -79,7 +83,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, *, prefill_gate: PrefillGate | None = None,
-                 multiprocess: bool = False):
+                 multiprocess: bool = False,
+                 client_factory: Callable[[EngineConfig, tuple[int, ...]], Any] | None = None):
         from atom.model_loader import load_tokenizer
 
         self.config = config
@@ -88,7 +93,16 @@ class LLMEngine:
         extra_eos = () if self.tokenizer is None or self.tokenizer.eos_token_id is None else (
             self.tokenizer.eos_token_id,)
         self.core: EngineCore | None = None
-        if multiprocess:
+        if client_factory is not None:
+            # e.g. the DP client (atom.dp.dp_client), built by the entrypoints: the engine never
+            # imports atom.dp
+            if prefill_gate is not None:
+                raise ValueError("a prefill_gate needs the in-process engine core")
+            self.client = client_factory(config, extra_eos)
+        elif config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size} needs the DP client: "
+                             f"use atom.LLM (or pass client_factory)")
+        elif multiprocess:
             if prefill_gate is not None:
                 raise ValueError("a prefill_gate needs the in-process engine core (multiprocess=False)")
             from atom.engine_core_client import EngineCoreClient
@@ -128,12 +142,15 @@ class LLMEngine:
     # ----- requests -----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prompt: str | None = None, arrival_time_s: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time_s: float | None = None,
+                    data_parallel_rank: int | None = None) -> None:
         """Queue a request; one that can never run is finished with ``error`` (its output comes
         from the next ``step()``).
 
+        ``data_parallel_rank`` pins the DP rank (DP client only; ignored with one rank).
+
         Raises:
-            ValueError: ``request_id`` is already in use.
+            ValueError: ``request_id`` is already in use, or a bad ``data_parallel_rank``.
         """
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         rejected = self.output_processor.add_request(request_id, prompt_token_ids, params,
@@ -146,8 +163,12 @@ class LLMEngine:
                                 vocab_size=self.runtime.vocab_size)
         if error is None:
             try:
-                self.client.add_request(EngineCoreRequest(
-                    request_id, list(prompt_token_ids), SamplingParamsMsg.from_params(params), arrival))
+                request = EngineCoreRequest(request_id, list(prompt_token_ids),
+                                            SamplingParamsMsg.from_params(params), arrival)
+                if data_parallel_rank is None:
+                    self.client.add_request(request)
+                else:
+                    self.client.add_request(request, data_parallel_rank=data_parallel_rank)
                 return
             except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # not msgpack-able
                 error = f"the request cannot be encoded: {exc}"

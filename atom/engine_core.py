@@ -8,7 +8,8 @@ output assembly live in the front end (:mod:`atom.output_processor`).
 It runs in-process (:class:`atom.engine.LLMEngine`) or inside its own process
 (:mod:`atom.engine_core_proc`), whose busy loop calls :attr:`EngineCore.step_fn`: the seam the
 data-parallel loop wraps (control sync before the step, dummy batches) without this module
-importing ``atom.dp``.
+importing ``atom.dp``; the DP loop calls the two halves of a step, :meth:`EngineCore.schedule`
+and :meth:`EngineCore.execute`, itself.
 
 What a step reports, per sequence:
 
@@ -206,8 +207,18 @@ class EngineCore:
     def step(self) -> list[SeqOutput]:
         """Run one tick: schedule → forward → sample → postprocess. Returns what changed (see
         the module docstring); rejected requests' finishes come first."""
+        return self.execute(self.schedule())
+
+    def schedule(self) -> SchedulerOutput:
+        """The first half of :meth:`step`: pick this tick's batch (consults the prefill gate).
+        The DP loop exchanges the batch shape between :meth:`schedule` and :meth:`execute`."""
+        return self.scheduler.schedule()
+
+    def execute(self, sched: SchedulerOutput) -> list[SeqOutput]:
+        """The second half of :meth:`step`: forward, sample, postprocess ``sched`` (from
+        :meth:`schedule` of this tick). An empty ``sched`` runs no forward here (the DP loop
+        runs its dummy batch itself) but still reports finishes decided outside a forward."""
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
         for seq in sched.preempted:
             if seq.is_finished:  # cut: the pool cannot hold this sequence even alone
                 outputs.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))

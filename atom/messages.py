@@ -4,7 +4,8 @@ Front end → engine core (one ZMQ PUSH → PULL stream per core):
     :class:`EngineCoreRequest`, :class:`AbortRequests`, :class:`FinishRequests`,
     :class:`UtilityCall`, :class:`StartWave`, :class:`Shutdown`.
 Engine core → front end (PUSH → PULL, all cores into one socket):
-    :class:`ReadyMessage`, :class:`EngineCoreOutputs`, :class:`UtilityResult`.
+    :class:`ReadyMessage`, :class:`EngineCoreOutputs`, :class:`UtilityResult`,
+    :class:`WaveWakeup` (DP only).
 
 Token ids only cross the socket: tokenization, detokenization and stop strings live in the
 front end (DESIGN.md, "Processes and data flow").
@@ -111,6 +112,17 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", frozen=True):
     dp_rank: int
     outputs: list[SeqOutput]
     timestamp_s: float
+    # DP rank 0 only: every rank finished wave ``wave_complete`` and went idle
+    wave_complete: int | None = None
+
+
+class WaveWakeup(msgspec.Struct, tag="wave_wakeup", frozen=True):
+    """An idle DP rank got a request and woke up for wave ``wave_id``: the front end must wake
+    the other ranks (``StartWave(wave_id)`` to every rank). Closes the race where the front end
+    dispatched without a StartWave because it had not yet seen the wave end."""
+
+    dp_rank: int
+    wave_id: int
 
 
 class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
@@ -130,7 +142,7 @@ class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     error: str | None = None
 
 
-CoreOutput = ReadyMessage | EngineCoreOutputs | UtilityResult
+CoreOutput = ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)

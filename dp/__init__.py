@@ -2,6 +2,8 @@
 
 Modules: ``groups`` (rank contract, process groups), ``collectives`` (the only way to issue a
 collective; lockstep check) with ``collective_log``, ``sync`` (the per-tick control and
-batch-shape vectors), ``prefill_delayer`` (cross-rank prefill alignment). Nothing is imported
+batch-shape vectors), ``prefill_delayer`` (cross-rank prefill alignment), ``engine_core_proc``
+(the DP rank process and its lockstep loop: control sync, dummy batches, waves), ``router`` (the
+DP request router) and ``dp_client`` (the front end's client over N rank processes). Nothing is imported
 here so that ``import atom.dp`` stays cheap; import the modules themselves.
 """

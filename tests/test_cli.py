@@ -45,9 +45,18 @@ def test_chat_two_turns_then_eof():
     assert "Traceback" not in proc.stderr
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_chat_ctrl_c_ends_cleanly():
-    proc = subprocess.Popen([ATOM, "chat", "--max-tokens", "400", "--temperature", "0", *SMALL_ENGINE],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The child starts with SIGINT ignored (as under xdist or a background job); the chat must
+    # still end on Ctrl-C. ignore_eos and a long max_tokens: without Ctrl-C the reply would
+    # run far past the liveness deadline.
+    proc = subprocess.Popen([ATOM, "chat", "--max-tokens", "3000", "--ignore-eos", "--temperature", "0",
+                             "--num-kv-blocks", "200", "--max-model-len", "3200"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_ignore_sigint)
     try:
         proc.stdin.write(b"Write a long story about a dragon.\n")
         proc.stdin.flush()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from dataclasses import fields
 
@@ -31,13 +32,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=defaults.temperature,
                         help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=defaults.top_p)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
     add_engine_args(parser)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed)
+                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
 def _make_llm(args: argparse.Namespace):
@@ -65,6 +67,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    # Ctrl-C must end the chat even when this process inherited SIGINT as ignored (a child of a
+    # non-interactive shell's background job, or of a test runner): Python only installs its
+    # KeyboardInterrupt handler at start-up when SIGINT is not ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         params = _sampling_params(args)
         llm = _make_llm(args)

@@ -42,6 +42,8 @@ class LLM:
         **engine_options: fields of :class:`atom.config.EngineConfig` (``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
             ``enable_chunked_prefill``, ``dtype``, ``seed``, ``num_kv_blocks``, ...).
+            ``data_parallel_size=N`` (> 1) starts N engine-core processes stepping in lockstep
+            (:mod:`atom.dp`), with requests routed by ``dp_load_balance``.
 
     Raises:
         TypeError: an unknown option. ValueError: an invalid option value.
@@ -52,7 +54,14 @@ class LLM:
         from atom.engine import LLMEngine
 
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.engine: LLMEngine | None = LLMEngine(self.config, multiprocess=True)
+        client_factory = None
+        if self.config.data_parallel_size > 1:
+            from atom.dp.dp_client import DPEngineCoreClient
+
+            def client_factory(config, extra_eos):
+                return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos)
+        self.engine: LLMEngine | None = LLMEngine(self.config, multiprocess=True,
+                                                  client_factory=client_factory)
         self._counter = itertools.count()
         _live_llms.add(self)
 
@@ -67,10 +76,22 @@ class LLM:
         aborts), num_front_end_finished_seqs (ended by a stop string)."""
         return self._engine.get_stats()
 
+    def get_rank_stats(self) -> list[dict]:
+        """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
+        collective count and hash, PrefillDelayer counters); one rank: ``[get_stats()]``."""
+        client = self._engine.client
+        if hasattr(client, "get_rank_stats"):
+            return client.get_rank_stats()
+        return [self.get_stats()]
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 data_parallel_rank: int | list[int | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns one finished RequestOutput per prompt, in order.
+
+        ``data_parallel_rank`` pins the DP rank of every prompt (an int) or of each prompt (a
+        list, None entries routed by the policy); ignored with one rank.
 
         Prompts are strings, lists of token ids, or ``{"prompt_token_ids": [...]}`` /
         ``{"prompt": "..."}`` dicts. A bad prompt (empty, too long, not fitting the KV pool,
@@ -78,13 +99,15 @@ class LLM:
         and the others still complete.
 
         Raises:
-            ValueError: a list of sampling params whose length differs from the prompts'.
+            ValueError: a list of sampling params (or of ranks) whose length differs from the
+                prompts', or a rank outside ``[0, data_parallel_size)``.
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        ranks = self._as_rank_list(data_parallel_rank, len(prompt_list))
         request_ids: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompt_list, params_list):
+        for prompt, params, rank in zip(prompt_list, params_list, ranks):
             request_id = str(next(self._counter))
             request_ids.append(request_id)
             try:
@@ -92,7 +115,8 @@ class LLM:
             except (TypeError, ValueError) as exc:
                 results[request_id] = _error_output(request_id, prompt, str(exc), params.n)
                 continue
-            self._engine.add_request(request_id, token_ids, params, prompt=text)
+            self._engine.add_request(request_id, token_ids, params, prompt=text,
+                                     data_parallel_rank=rank)
         self._run(results, len(request_ids), use_tqdm)
         return [results[rid] for rid in request_ids]
 
@@ -195,6 +219,19 @@ class LLM:
         if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
+
+    def _as_rank_list(self, ranks: Any, num_prompts: int) -> list[int | None]:
+        if self.config.data_parallel_size == 1 or ranks is None:
+            return [None] * num_prompts
+        ranks = [ranks] * num_prompts if isinstance(ranks, int) else list(ranks)
+        if len(ranks) != num_prompts:
+            raise ValueError(f"got {len(ranks)} data_parallel_rank values for {num_prompts} prompts")
+        for r in ranks:
+            if r is not None and (isinstance(r, bool) or not isinstance(r, int)
+                                  or not 0 <= r < self.config.data_parallel_size):
+                raise ValueError(f"data_parallel_rank={r!r} is outside "
+                                 f"[0, {self.config.data_parallel_size})")
+        return ranks
 
     @staticmethod
     def _as_params_list(params: Any, num_prompts: int) -> list[SamplingParams]:

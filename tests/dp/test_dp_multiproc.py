@@ -20,7 +20,7 @@ pytestmark = pytest.mark.xdist_group("multiproc")
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 REPO = Path(__file__).resolve().parents[2]
-GROUP_TIMEOUT_S = 5  # gloo's collective timeout inside the workers (the fault tests wait it out)
+GROUP_TIMEOUT_S = 15  # gloo's collective timeout inside the workers (the fault tests wait it out)
 DEADLINE_S = 120  # liveness: both ranks must have exited by then (generous: 2 shared cores)
 
 

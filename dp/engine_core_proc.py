@@ -1,0 +1,262 @@
+"""The DP EngineCore process: one rank's busy loop, in lockstep with the other ranks.
+
+Started by :class:`atom.dp.dp_client.DPEngineCoreClient` (or a launcher) as::
+
+    python -m atom.dp.engine_core_proc --config-json '{...}' --input-addr ADDR --output-addr ADDR
+
+with the same arguments as :mod:`atom.engine_core_proc`, plus the rank contract in the
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; see
+:mod:`atom.dp.groups`). The DP rank comes from the environment (``--dp-rank`` is ignored).
+
+Per tick, on every rank, in this order (DESIGN.md, "Processes and data flow"), with no early
+return before the control sync:
+
+1. drain the input socket without blocking;
+2. control sync (:func:`atom.dp.sync.exchange_control`): work, shutdown, the PrefillDelayer's
+   inputs, wave id, tick. Every rank asked to shut down → all run the lockstep check and exit
+   together. No rank has work → the wave ends: every rank increments its wave counter, rank 0
+   reports ``wave_complete`` to the front end, and every rank goes idle (blocks on its input
+   socket: no collectives, no spinning);
+3. ``PrefillDelayer.decide`` on the gathered values, then schedule (the scheduler consults the
+   delayer through its prefill gate);
+4. batch-shape exchange (:func:`atom.dp.sync.exchange_batch_shape`);
+5. forward: the real step, or a dummy batch (a zero-token forward that writes no KV) when this
+   rank has nothing to run — the same collectives either way;
+6. send the outputs.
+
+Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
+sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
+
+Waves (DESIGN.md, "Idle and waves"): an idle rank wakes on ``StartWave(w)`` with ``w`` equal to
+its wave counter (a stale ``w`` is ignored), on Shutdown, or on a request. A request carries the
+wave the front end believed current: when that is older than the rank's wave, the front end
+dispatched without knowing the group had gone idle (so it sent no StartWave), and the rank sends
+:class:`~atom.messages.WaveWakeup` so the front end wakes every other rank. (The front end sends
+a request before the StartWave that goes with it, so the woken rank always has the request in its
+first tick and no empty wave is run.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from atom.config import EngineConfig
+from atom.engine_core_proc import EngineCoreProc, _on_sigterm, _parse_args, _ShutdownRequested
+from atom.messages import (
+    CoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    StartWave,
+    UtilityCall,
+    UtilityResult,
+    WaveWakeup,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+LOCKSTEP_CHECK_EVERY = 64  # ticks between collective-hash comparisons
+GROUP_TIMEOUT_ENV = "ATOM_DP_GROUP_TIMEOUT_S"
+_DEFAULT_GROUP_TIMEOUT_S = 600.0
+# set by `atom launch` and torchrun: the launcher hosts the TCPStore (atom.launch.env documents
+# it; dp may not import launch, so the check is repeated here)
+_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+class DPEngineCoreProc(EngineCoreProc):
+    """One DP rank's loop (module docstring). Reuses the single-rank process's sockets and input
+    handling; replaces :meth:`run_busy_loop`.
+
+    Args:
+        core: the loaded engine core, built with ``delayer`` as its prefill gate.
+        delayer: this rank's PrefillDelayer.
+        groups: the process groups (control and device).
+        input_addr, output_addr: the front end's ZMQ endpoints.
+    """
+
+    def __init__(self, core, delayer, groups, *, input_addr: str, output_addr: str):
+        super().__init__(core, input_addr=input_addr, output_addr=output_addr,
+                         dp_rank=groups.rank_info.dp_rank)
+        self.delayer = delayer
+        self.groups = groups
+        self.wave_id = 0
+        self.tick = 0
+        self.idle = True  # ranks start idle, in wave 0
+        self.num_dummy_steps = 0
+        self.num_real_steps = 0
+        self.num_waves_completed = 0
+
+    # ----- inputs -----
+
+    def handle_input(self, message: CoreInput) -> None:
+        if isinstance(message, StartWave):
+            if self.idle and message.wave_id == self.wave_id:
+                self.idle = False
+            elif message.wave_id > self.wave_id:  # cannot happen with one front end
+                logger.warning("[dp%d] StartWave(%d) ahead of this rank's wave %d: ignored",
+                               self.dp_rank, message.wave_id, self.wave_id)
+            return  # stale, or already stepping in this wave
+        super().handle_input(message)
+        if isinstance(message, EngineCoreRequest) and self.idle:
+            self.idle = False
+            if message.wave_id < self.wave_id:
+                # the front end dispatched without knowing the group went idle: no StartWave
+                # follows for the others, so ask it to send one
+                self._output.send(encode(WaveWakeup(dp_rank=self.dp_rank, wave_id=self.wave_id)))
+        elif isinstance(message, Shutdown):
+            self.idle = False  # enter a tick: the ranks stop together
+
+    def _run_utility(self, call: UtilityCall) -> UtilityResult:
+        result = super()._run_utility(call)
+        if call.method == "get_stats" and result.error is None:
+            result = UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id,
+                                   result={**(result.result or {}), **self.dp_stats()})
+        return result
+
+    def dp_stats(self) -> dict[str, int | float]:
+        """Loop counters, the collective log and the PrefillDelayer's counters."""
+        from atom.dp.collectives import process_collective_log
+
+        log = process_collective_log()
+        out: dict[str, int | float] = {
+            "dp_rank": self.dp_rank, "tick": self.tick, "wave_id": self.wave_id,
+            "idle": int(self.idle), "num_dummy_steps": self.num_dummy_steps,
+            "num_real_steps": self.num_real_steps,
+            "num_waves_completed": self.num_waves_completed,
+            "collective_count": log.num_collectives, "collective_hash": log.hash_int64}
+        out.update({f"prefill_delayer_{k}": v for k, v in self.delayer.stats().items()})
+        return out
+
+    # ----- the loop -----
+
+    def run_busy_loop(self) -> None:
+        """Run until every rank is asked to shut down (or SIGTERM, or the front end is gone).
+
+        Raises:
+            LockstepError: the ranks' collective sequences differ.
+            CollectiveError: a collective failed (a peer died, or the group timed out).
+        """
+        while True:
+            if os.getppid() != self._parent_pid:
+                logger.warning("[dp%d] the front end process is gone: exiting", self.dp_rank)
+                return
+            if self.idle:
+                self.process_inputs(block=True)  # wakes on StartWave, a request or Shutdown
+                continue
+            self.process_inputs(block=False)
+            if self._tick():
+                return
+
+    def _tick(self) -> bool:
+        """One tick (module docstring); True when the ranks stop together."""
+        from atom.dp.collectives import check_lockstep, process_collective_log
+        from atom.dp.sync import BatchShape, ControlState, exchange_batch_shape, exchange_control
+
+        core = self.core
+        inputs = self.delayer.local_inputs(core.scheduler)
+        state = ControlState(
+            has_work=core.has_work(), shutdown=self._shutdown,
+            num_admittable=inputs.num_admittable, has_pending_prefill=inputs.has_pending_prefill,
+            kv_usage_ppm=inputs.kv_usage_ppm, kv_below_low_watermark=inputs.kv_below_low_watermark,
+            wave_id=self.wave_id, tick=self.tick)
+        gathered = exchange_control(state, self.groups.control)
+        self.tick += 1
+        log = process_collective_log()
+        if gathered.all_shutdown():
+            check_lockstep(log, self.groups.control)
+            logger.info("[dp%d] every rank asked to shut down: exiting after %d ticks",
+                        self.dp_rank, self.tick)
+            return True
+        if not gathered.any_has_work() and not gathered.any_shutdown():
+            self._end_wave()
+            return False
+        if self.tick % LOCKSTEP_CHECK_EVERY == 0:
+            check_lockstep(log, self.groups.control)
+        self.delayer.decide(gathered)
+        sched = core.schedule()
+        is_dummy = sched.is_empty
+        exchange_batch_shape(BatchShape(num_tokens=sum(n for _, n in sched.scheduled),
+                                        num_seqs=len(sched.scheduled), is_dummy=is_dummy,
+                                        tbo_eligible=False), self.groups.device)
+        if is_dummy:
+            core.runner.execute_model([])  # same forward (and collectives) on zero tokens
+            self.num_dummy_steps += 1
+        else:
+            self.num_real_steps += 1
+        self.send_outputs(core.execute(sched))
+        return False
+
+    def _end_wave(self) -> None:
+        """No rank has work: all ranks end the wave together and go idle."""
+        completed = self.wave_id
+        self.wave_id += 1
+        self.num_waves_completed += 1
+        self.idle = True
+        if self.dp_rank == 0:
+            self._output.send(encode(EngineCoreOutputs(
+                dp_rank=0, outputs=[], timestamp_s=time.monotonic(), wave_complete=completed)))
+        logger.debug("[dp%d] wave %d complete at tick %d: idle", self.dp_rank, completed,
+                     self.tick)
+
+
+def _group_timeout_s() -> float:
+    return float(os.environ.get(GROUP_TIMEOUT_ENV, "") or _DEFAULT_GROUP_TIMEOUT_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one DP rank; returns its exit code (0 on a clean shutdown, 1 on error)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    args = _parse_args(argv)
+    rank_label = os.environ.get("RANK", "?")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(levelname)s [dp{rank_label}] %(name)s: %(message)s")
+    proc = None
+    groups = None
+    try:
+        import torch.distributed as dist
+
+        from atom.dp.groups import RankInfo, init_process_groups
+        from atom.dp.prefill_delayer import PrefillDelayer, PrefillDelayerConfig
+        from atom.engine_core import EngineCore
+
+        info = RankInfo.from_env()
+        config = EngineConfig.from_kwargs(**json.loads(args.config_json))
+        delayer = PrefillDelayer(PrefillDelayerConfig(
+            enabled=config.resolved_prefill_delayer(),
+            max_delay_passes=config.prefill_delayer_max_delay_passes,
+            kv_low_watermark=config.prefill_delayer_kv_low_watermark), dp_rank=info.dp_rank)
+        core = EngineCore(config, prefill_gate=delayer,
+                          extra_eos_token_ids=tuple(args.extra_eos_token_ids))
+        timeout_s = _group_timeout_s()
+        store = None
+        if os.environ.get(_AGENT_STORE_ENV, "") == "True":  # the launcher hosts the store
+            store = dist.TCPStore(info.master_addr, info.master_port, None, False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        groups = init_process_groups(info, timeout_s=timeout_s, store=store)
+        proc = DPEngineCoreProc(core, delayer, groups, input_addr=args.input_addr,
+                                output_addr=args.output_addr)
+        proc.send_ready()
+        proc.run_busy_loop()
+    except _ShutdownRequested:
+        logger.info("SIGTERM: shutting down")
+    except Exception:
+        logger.exception("DP engine core (rank %s) failed; exiting", rank_label)
+        return 1
+    finally:
+        if proc is not None:
+            proc.close()
+        if groups is not None:
+            groups.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

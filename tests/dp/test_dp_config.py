@@ -1,0 +1,41 @@
+"""DP engine options: CLI flags generated from EngineConfig, validation, delayer default."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from atom.config import EngineConfig, add_engine_args, config_from_args
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_dp_flags():
+    config = _parse(["--data-parallel-size", "2", "--dp-load-balance", "round_robin",
+                     "--no-prefill-delayer", "--prefill-delayer-max-delay-passes", "7",
+                     "--prefill-delayer-kv-low-watermark", "0.25"])
+    assert (config.data_parallel_size, config.dp_load_balance, config.prefill_delayer,
+            config.prefill_delayer_max_delay_passes, config.prefill_delayer_kv_low_watermark) == (
+        2, "round_robin", False, 7, 0.25)
+    assert not config.resolved_prefill_delayer()
+    default = _parse([])
+    assert default.prefill_delayer is None and default.prefill_delayer_kv_low_watermark is None
+    assert _parse(["--prefill-delayer"]).resolved_prefill_delayer()
+
+
+def test_delayer_default_follows_dp_size():
+    assert not EngineConfig().resolved_prefill_delayer()
+    assert EngineConfig(data_parallel_size=2).resolved_prefill_delayer()
+
+
+@pytest.mark.parametrize("bad", [dict(data_parallel_size=0), dict(dp_load_balance="random"),
+                                 dict(prefill_delayer_max_delay_passes=0),
+                                 dict(prefill_delayer_kv_low_watermark=1.5)])
+def test_validation(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(**bad)
