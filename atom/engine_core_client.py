@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import zmq
 
@@ -145,16 +146,7 @@ class EngineCoreClient:
         Raises:
             EngineDeadError: the core process exited (outputs it sent before are returned first).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._outputs:
-            remaining_s = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
-            self._poll(max(0.0, min(_POLL_SLICE_S, remaining_s)))
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        outputs: list[SeqOutput] = []
-        while self._outputs:
-            outputs += self._outputs.popleft()
-        return outputs
+        return drain_outputs(self._outputs, self._poll, timeout_s)
 
     def call_utility(self, method: str) -> dict:
         """Run a core method (``get_stats``, ``reset_prefix_cache``) after every input sent so
@@ -247,6 +239,25 @@ class EngineCoreClient:
 
     def _tail(self) -> str:
         return "".join(self._stderr_tail) or "(empty)"
+
+
+def drain_outputs(pending: collections.deque, poll: Callable[[float], None],
+                  timeout_s: float | None) -> list[SeqOutput]:
+    """Wait (in ``_POLL_SLICE_S`` slices, so a dead process is noticed) until ``pending`` holds
+    output batches or ``timeout_s`` passed (None = no limit); then empty it, oldest first.
+
+    ``poll(slice_s)`` receives frames into ``pending`` and raises if the process died.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not pending:
+        remaining_s = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+        poll(max(0.0, min(_POLL_SLICE_S, remaining_s)))
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    outputs: list[SeqOutput] = []
+    while pending:
+        outputs += pending.popleft()
+    return outputs
 
 
 def _bind(socket: zmq.Socket, addr: str) -> str:

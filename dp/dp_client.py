@@ -53,6 +53,7 @@ from atom.engine_core_client import (
     EngineDeadError,
     _bind,
     _forward_stderr,
+    drain_outputs,
 )
 from atom.messages import (
     AbortRequests,
@@ -206,16 +207,7 @@ class DPEngineCoreClient:
 
     def get_outputs(self, timeout_s: float | None = None) -> list[SeqOutput]:
         """Sequence outputs of every rank, oldest first (see ``EngineCoreClient.get_outputs``)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._outputs:
-            remaining_s = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
-            self._poll(max(0.0, min(_POLL_SLICE_S, remaining_s)))
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        outputs: list[SeqOutput] = []
-        while self._outputs:
-            outputs += self._outputs.popleft()
-        return outputs
+        return drain_outputs(self._outputs, self._poll, timeout_s)
 
     # ----- utilities -----
 
