@@ -107,6 +107,7 @@ class CollectiveLog:
         self.history: deque[CollectiveRecord] = deque(maxlen=HISTORY_LEN)
         self.op_counts: Counter[str] = Counter()
         self._store: dist.Store | None = None
+        self._post_mortem_wait_s = POST_MORTEM_WAIT_S
         self._rank = 0
         self._world_size = 1
         self._num_post_mortems = 0
@@ -138,9 +139,16 @@ class CollectiveLog:
             out[_HEADER_LEN:_HEADER_LEN + recs.numel()] = recs
         return out
 
-    def attach_store(self, store: dist.Store, *, rank: int, world_size: int) -> None:
-        """Use ``store`` to exchange histories when a collective fails (:meth:`post_mortem`)."""
+    def attach_store(self, store: dist.Store, *, rank: int, world_size: int,
+                     group_timeout_s: float = 0.0) -> None:
+        """Use ``store`` to exchange histories when a collective fails (:meth:`post_mortem`).
+
+        ``group_timeout_s``: the collectives' timeout. A rank that fails at once waits that long
+        (plus a margin, capped at a minute so a failed rank still exits soon) for its peers,
+        since a peer left alone in a collective only fails then.
+        """
         self._store, self._rank, self._world_size = store, rank, world_size
+        self._post_mortem_wait_s = min(max(POST_MORTEM_WAIT_S, group_timeout_s + 5.0), 60.0)
 
     def detach_store(self) -> None:
         self._store = None
@@ -154,7 +162,7 @@ class CollectiveLog:
         """Exchange histories through the store after a collective failed (best effort, bounded).
 
         The collectives are out of step, so they cannot carry the histories; the store can.
-        Each rank publishes its lockstep record, waits up to POST_MORTEM_WAIT_S for its peers',
+        Each rank publishes its lockstep record, waits (see :meth:`attach_store`) for its peers',
         then waits (same budget) until every rank has read, so a rank hosting the store does
         not exit under a peer that is still reading. Returns rank → history, None for a rank
         that did not report (only this rank's own without an attached store).
@@ -164,7 +172,7 @@ class CollectiveLog:
             return {rank: self.snapshot()}
         out: dict[int, RankHistory | None] = {r: None for r in range(self._world_size)}
         out[rank] = self.snapshot()
-        deadline = time.monotonic() + POST_MORTEM_WAIT_S
+        deadline = time.monotonic() + self._post_mortem_wait_s
         prefix = f"{_POST_MORTEM_PREFIX}/{self._num_post_mortems}"
         self._num_post_mortems += 1
 

@@ -201,7 +201,8 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float,
         device_backend = "nccl"
         torch.cuda.set_device(info.local_rank)
     device = dist.new_group(backend=device_backend, timeout=timeout, group_desc="atom_device")
-    process_collective_log().attach_store(store, rank=info.rank, world_size=info.world_size)
+    process_collective_log().attach_store(store, rank=info.rank, world_size=info.world_size,
+                                          group_timeout_s=timeout_s)
     rank_logger(logger, info.dp_rank).info(
         "process groups ready: rank %d/%d, local rank %d/%d, device backend %s, timeout %.0fs",
         info.rank, info.world_size, info.local_rank, info.local_world_size, device_backend,
