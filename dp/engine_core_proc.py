@@ -38,7 +38,6 @@ first tick and no empty wave is run.)
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -67,7 +66,6 @@ GROUP_TIMEOUT_ENV = "ATOM_DP_GROUP_TIMEOUT_S"
 _DEFAULT_GROUP_TIMEOUT_S = 600.0
 # set by `atom launch` and torchrun: the launcher hosts the TCPStore (atom.launch.env documents
 # it; dp may not import launch, so the check is repeated here)
-_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 class DPEngineCoreProc(EngineCoreProc):
@@ -221,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     groups = None
     try:
-        import torch.distributed as dist
-
         from atom.dp.groups import RankInfo, init_process_groups
         from atom.dp.prefill_delayer import PrefillDelayer, PrefillDelayerConfig
         from atom.engine_core import EngineCore
@@ -236,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(config, prefill_gate=delayer,
                           extra_eos_token_ids=tuple(args.extra_eos_token_ids))
         timeout_s = _group_timeout_s()
-        store = None
-        if os.environ.get(_AGENT_STORE_ENV, "") == "True":  # the launcher hosts the store
-            store = dist.TCPStore(info.master_addr, info.master_port, None, False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-        groups = init_process_groups(info, timeout_s=timeout_s, store=store)
+        groups = init_process_groups(info, timeout_s=timeout_s)
         proc = DPEngineCoreProc(core, delayer, groups, input_addr=args.input_addr,
                                 output_addr=args.output_addr)
         proc.send_ready()

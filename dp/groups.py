@@ -173,7 +173,8 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float,
             therefore fails the others within ``timeout_s`` instead of hanging them.
         store: a store another process already hosts (a launcher that runs the ``TCPStore``
             itself, as torchrun's agent does); by default rank 0 hosts one at
-            ``MASTER_ADDR:MASTER_PORT`` and the other ranks connect to it.
+            ``MASTER_ADDR:MASTER_PORT`` and the other ranks connect to it; when
+            ``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun, atom launch) every rank connects.
     Returns:
         The groups; call :meth:`DPGroups.destroy` at shutdown.
     Raises:
@@ -189,8 +190,11 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float,
     info = rank_info
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
+        # torch's convention (torchrun's agent, atom launch): the launcher already hosts the
+        # store at MASTER_ADDR:MASTER_PORT, so every rank connects as a client.
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
         store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
-                              is_master=info.rank == 0, timeout=timeout)
+                              is_master=info.rank == 0 and not agent_hosts_store, timeout=timeout)
     dist.init_process_group("gloo", store=dist.PrefixStore(_TORCH_STORE_PREFIX, store),
                             rank=info.rank, world_size=info.world_size, timeout=timeout)
     # new_group is itself a collective over the store: every rank creates the same groups in
