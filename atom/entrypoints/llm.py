@@ -8,7 +8,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -16,9 +16,32 @@ from atom.config import EngineConfig
 from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from atom.engine import LLMEngine
+
 PromptType = str | list[int] | dict[str, Any]
 
 _live_llms: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+def build_engine(config: EngineConfig):
+    """The front end's :class:`atom.engine.LLMEngine` for ``config``: one engine-core process,
+    or with ``data_parallel_size > 1`` one per DP rank (:class:`atom.dp.dp_client.DPEngineCoreClient`).
+    Every front end (``LLM``, the CLI, the OpenAI server) builds its engine here.
+
+    Raises:
+        ValueError: invalid options or a model that cannot be loaded.
+        RuntimeError: an engine-core process failed to start.
+    """
+    from atom.engine import LLMEngine
+
+    client_factory = None
+    if config.data_parallel_size > 1:
+        from atom.dp.dp_client import DPEngineCoreClient
+
+        def client_factory(config, extra_eos):
+            return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos)
+    return LLMEngine(config, multiprocess=True, client_factory=client_factory)
 
 
 @atexit.register
@@ -51,17 +74,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any):
-        from atom.engine import LLMEngine
-
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        client_factory = None
-        if self.config.data_parallel_size > 1:
-            from atom.dp.dp_client import DPEngineCoreClient
-
-            def client_factory(config, extra_eos):
-                return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos)
-        self.engine: LLMEngine | None = LLMEngine(self.config, multiprocess=True,
-                                                  client_factory=client_factory)
+        self.engine: LLMEngine | None = build_engine(self.config)
         self._counter = itertools.count()
         _live_llms.add(self)
 
