@@ -35,6 +35,14 @@ __all__ = ["EngineRuntime", "LLMEngine"]
 _STEP_WAIT_S = 1.0  # multiprocess step(): the longest it waits for the core before returning []
 
 
+def tokenizer_eos_token_ids(tokenizer) -> tuple[int, ...]:
+    """The EOS ids a tokenizer adds to the model config's (the engine core has no tokenizer):
+    its ``eos_token_id``, if any; ``()`` for ``None`` (``skip_tokenizer_init``)."""
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return ()
+    return (tokenizer.eos_token_id,)
+
+
 class InprocClient:
     """The client interface over an :class:`EngineCore` in this process (``get_outputs`` runs
     one step)."""
@@ -90,8 +98,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         # The core has no tokenizer: the tokenizer's EOS id travels to it from here.
-        extra_eos = () if self.tokenizer is None or self.tokenizer.eos_token_id is None else (
-            self.tokenizer.eos_token_id,)
+        extra_eos = tokenizer_eos_token_ids(self.tokenizer)
         self.core: EngineCore | None = None
         if client_factory is not None:
             # e.g. the DP client (atom.dp.dp_client), built by the entrypoints: the engine never

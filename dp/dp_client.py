@@ -1,12 +1,21 @@
-"""DPEngineCoreClient: the front end's handle on N DP EngineCore processes on one node.
+"""DPEngineCoreClient: the front end's handle on the N DP EngineCore processes of a deployment.
 
     front end                                  DP rank i (python -m atom.dp.engine_core_proc)
     PUSH  input_addr[i]   ── CoreInput ───>    PULL
     PULL  output_addr     <── CoreOutput ──    PUSH   (one socket shared by every rank)
 
-The client picks a free ``MASTER_PORT``, starts one process per rank with the rank contract
-(RANK=i, WORLD_SIZE=N, LOCAL_RANK=i, LOCAL_WORLD_SIZE=N, MASTER_ADDR=127.0.0.1, MASTER_PORT;
-torch/OMP threads = cores ÷ N unless ``num_threads`` is set) and waits for N ready messages.
+Who starts the ranks is the ``ranks`` argument's business:
+
+- :class:`SpawnedRanks` (default): the client picks a free ``MASTER_PORT``, starts one process
+  per rank on this node with the rank contract (RANK=i, WORLD_SIZE=N, LOCAL_RANK=i,
+  LOCAL_WORLD_SIZE=N, MASTER_ADDR=127.0.0.1, MASTER_PORT; torch/OMP threads = cores ÷ N unless
+  ``num_threads`` is set), over ``ipc://`` sockets, and watches those processes;
+- :class:`LaunchedRanks`: a launcher (``atom launch``, torchrun) started the ranks, possibly on
+  several nodes, and this front end is rank 0's child: the client binds TCP sockets on a host
+  every rank reaches, hands the addresses to ``announce`` (rank 0 publishes them in the
+  rendezvous store) and watches its parent, rank 0.
+
+Either way the client then waits for N ready messages.
 
 Same interface as :class:`atom.engine_core_client.EngineCoreClient` (``add_request``,
 ``abort``, ``finish``, ``get_outputs``, ``call_utility``, ``get_stats``, ``is_alive``,
@@ -39,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -99,22 +109,19 @@ class DPEngineCoreClient:
     """
 
     def __init__(self, config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...] = (),
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0,
+                 ranks: SpawnedRanks | LaunchedRanks | None = None):
         n = config.data_parallel_size
         self.num_ranks = n
         self.router = DPRouter(config.dp_load_balance, n)
-        if config.num_threads is None:
-            cores = max(1, len(os.sched_getaffinity(0)))
-            config = dataclasses.replace(config, num_threads=max(1, cores // n))
+        self.ranks = SpawnedRanks() if ranks is None else ranks
         self.config = config
-        self._ipc_dir = tempfile.mkdtemp(prefix="atom-dp-")
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)
-        self.output_addr = _bind(self._output, f"ipc://{self._ipc_dir}/output")
+        self.output_addr = _bind(self._output, self.ranks.address("output"))
         self._inputs = [self._ctx.socket(zmq.PUSH) for _ in range(n)]
-        self.input_addrs = [_bind(s, f"ipc://{self._ipc_dir}/input{i}")
+        self.input_addrs = [_bind(s, self.ranks.address(f"input{i}"))
                             for i, s in enumerate(self._inputs)]
-        self._tails = [collections.deque(maxlen=_STDERR_TAIL_LINES) for _ in range(n)]
         self._outputs: collections.deque[list[SeqOutput]] = collections.deque()
         self._utility_results: dict[tuple[int, int], UtilityResult] = {}
         self._call_ids = itertools.count()
@@ -122,32 +129,10 @@ class DPEngineCoreClient:
         self.wave_id = 0
         self.group_idle = True
         self.num_wave_wakeups = 0
-        self.procs: list[subprocess.Popen] = []
-        self._stderr_threads: list[threading.Thread] = []
         self._closed = False
-        port = _free_port()
-        log_level = logging.getLevelName(logging.getLogger("atom").getEffectiveLevel())
         try:
-            for rank in range(n):
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": str(config.num_threads)}
-                env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # this client's ranks host their own
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "atom.dp.engine_core_proc",
-                     "--config-json", json.dumps(dataclasses.asdict(config)),
-                     "--input-addr", self.input_addrs[rank], "--output-addr", self.output_addr,
-                     "--dp-rank", str(rank),
-                     "--extra-eos-token-ids", *map(str, extra_eos_token_ids),
-                     "--log-level", log_level],
-                    stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-                self.procs.append(proc)
-                thread = threading.Thread(target=_forward_stderr, daemon=True,
-                                          name=f"atom-dp{rank}-stderr",
-                                          args=(proc.stderr, self._tails[rank]))
-                thread.start()
-                self._stderr_threads.append(thread)
+            self.ranks.start(config, input_addrs=self.input_addrs, output_addr=self.output_addr,
+                             extra_eos_token_ids=extra_eos_token_ids)
             self.runtime = self._wait_ready(startup_timeout_s)
         except BaseException:
             self.shutdown()
@@ -254,37 +239,28 @@ class DPEngineCoreClient:
     # ----- lifecycle -----
 
     def is_alive(self) -> bool:
-        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+        return self.ranks.is_alive()
 
     def shutdown(self) -> None:
-        """Shutdown to every rank (they stop together), then SIGTERM, then SIGKILL,
-        ``_SHUTDOWN_GRACE_S`` apart; close the sockets. Idempotent; never raises."""
+        """Shutdown to every rank (they stop together), then let :attr:`ranks` stop them (the
+        spawned ones: SIGTERM, then SIGKILL, ``_SHUTDOWN_GRACE_S`` apart); close the sockets.
+        Idempotent; never raises."""
         if self._closed:
             return
         self._closed = True
-        if any(p.poll() is None for p in self.procs):
+        if self.ranks.is_alive():
             for sock in self._inputs:
                 try:
+                    sock.setsockopt(zmq.LINGER, int(_SHUTDOWN_GRACE_S * 1000))
                     sock.send(encode(Shutdown()), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-        for stop in ("wait", "terminate", "kill"):
-            live = [p for p in self.procs if p.poll() is None]
-            if not live:
-                break
-            for p in live:
-                if stop != "wait":
-                    getattr(p, stop)()
-            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-            for p in live:
-                try:
-                    p.wait(timeout=max(0.01, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        for thread in self._stderr_threads:
-            thread.join(timeout=1.0)
+        self.ranks.stop()
+        # linger: launched ranks have nothing else telling them to stop than this Shutdown
+        for sock in self._inputs:
+            sock.close()
         self._ctx.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.ranks.cleanup()
 
     def __del__(self):  # best effort; LLM.shutdown / atexit are the real paths
         try:
@@ -308,9 +284,9 @@ class DPEngineCoreClient:
                 else:
                     logger.warning("ignored %s before the ready messages", type(message).__name__)
                 continue
-            for rank, p in enumerate(self.procs):
-                if p.poll() is not None:
-                    raise RuntimeError(f"DP engine core failed to start: {self._death_message(rank)}")
+            dead = self.ranks.dead_message()
+            if dead is not None:
+                raise RuntimeError(f"DP engine core failed to start: {dead}")
         m = ready[0]
         return EngineRuntime(num_kv_blocks=m.num_kv_blocks, max_model_len=m.max_model_len,
                              vocab_size=m.vocab_size, eos_token_ids=tuple(m.eos_token_ids),
@@ -367,15 +343,131 @@ class DPEngineCoreClient:
         self._broadcast(StartWave(message.wave_id))
 
     def _raise_if_dead(self) -> None:
+        dead = self.ranks.dead_message()
+        if dead is not None:
+            raise EngineDeadError(f"a DP engine core is dead: {dead}")
+
+
+class SpawnedRanks:
+    """The rank processes of a :class:`DPEngineCoreClient` that starts them itself: one
+    ``python -m atom.dp.engine_core_proc`` per rank on this node, over ``ipc://`` sockets in a
+    fresh temporary folder (removed by :meth:`cleanup`)."""
+
+    def __init__(self):
+        self._ipc_dir = tempfile.mkdtemp(prefix="atom-dp-")
+        self.procs: list[subprocess.Popen] = []
+        self._tails: list[collections.deque] = []
+        self._stderr_threads: list[threading.Thread] = []
+
+    def address(self, name: str) -> str:
+        """Where the client binds socket ``name``."""
+        return f"ipc://{self._ipc_dir}/{name}"
+
+    def start(self, config: EngineConfig, *, input_addrs: list[str], output_addr: str,
+              extra_eos_token_ids: tuple[int, ...]) -> None:
+        """Start every rank (they connect to the bound sockets and send ready messages)."""
+        n = config.data_parallel_size
+        num_threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // n)
+        config = dataclasses.replace(config, num_threads=num_threads)
+        port = _free_port()
+        log_level = logging.getLevelName(logging.getLogger("atom").getEffectiveLevel())
+        for rank in range(n):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),
+                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": str(num_threads)}
+            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # these ranks host their own store
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "atom.dp.engine_core_proc",
+                 "--config-json", json.dumps(dataclasses.asdict(config)),
+                 "--input-addr", input_addrs[rank], "--output-addr", output_addr,
+                 "--dp-rank", str(rank),
+                 "--extra-eos-token-ids", *map(str, extra_eos_token_ids),
+                 "--log-level", log_level],
+                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            self.procs.append(proc)
+            tail: collections.deque = collections.deque(maxlen=_STDERR_TAIL_LINES)
+            self._tails.append(tail)
+            thread = threading.Thread(target=_forward_stderr, daemon=True,
+                                      name=f"atom-dp{rank}-stderr", args=(proc.stderr, tail))
+            thread.start()
+            self._stderr_threads.append(thread)
+
+    def is_alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def dead_message(self) -> str | None:
+        """None while every rank runs; else which one exited, how, and its stderr tail."""
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
-                raise EngineDeadError(f"a DP engine core is dead: {self._death_message(rank)}")
+                self._stderr_threads[rank].join(timeout=1.0)
+                rc = p.returncode
+                how = (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+                tail = "".join(self._tails[rank]) or "(empty)"
+                return f"process {p.pid} (dp rank {rank}) exited, {how}; stderr tail:\n{tail}"
+        return None
 
-    def _death_message(self, rank: int) -> str:
-        p = self.procs[rank]
-        self._stderr_threads[rank].join(timeout=1.0)
-        rc = p.returncode
-        how = (f"killed by {signal.Signals(-rc).name}" if rc is not None and rc < 0
-               else f"exit code {rc}")
-        tail = "".join(self._tails[rank]) or "(empty)"
-        return f"process {p.pid} (dp rank {rank}) exited, {how}; stderr tail:\n{tail}"
+    def stop(self) -> None:
+        """After the Shutdown messages: wait, then SIGTERM, then SIGKILL, each
+        ``_SHUTDOWN_GRACE_S`` long, until every rank has exited."""
+        for stop in ("wait", "terminate", "kill"):
+            live = [p for p in self.procs if p.poll() is None]
+            if not live:
+                break
+            for p in live:
+                if stop != "wait":
+                    getattr(p, stop)()
+            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+            for p in live:
+                try:
+                    p.wait(timeout=max(0.01, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for thread in self._stderr_threads:
+            thread.join(timeout=1.0)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class LaunchedRanks:
+    """The ranks of a deployment a launcher started (``atom launch``, torchrun), seen from the
+    front end that rank 0 runs as its child (:mod:`atom.entrypoints.launched`).
+
+    Args:
+        host: an address of this machine that every rank can reach (node 0's, i.e. the
+            resolved ``MASTER_ADDR``); the client binds TCP ports on it.
+        announce: called once with ``(output_addr, input_addrs)`` after binding; it must get
+            them to the ranks (rank 0 publishes them in the rendezvous store).
+
+    The front end cannot watch ranks on other nodes; it watches its parent, rank 0. When any
+    rank dies, the launcher stops every rank, and rank 0's process group with it (this front
+    end included); when rank 0 dies, its collectives fail on the other ranks too.
+    """
+
+    def __init__(self, host: str, announce: Callable[[str, list[str]], None]):
+        self._host = host
+        self._announce = announce
+        self._parent_pid = os.getppid()
+
+    def address(self, name: str) -> str:
+        return f"tcp://{self._host}:*"
+
+    def start(self, config: EngineConfig, *, input_addrs: list[str], output_addr: str,
+              extra_eos_token_ids: tuple[int, ...]) -> None:
+        self._announce(output_addr, list(input_addrs))
+
+    def is_alive(self) -> bool:
+        return os.getppid() == self._parent_pid
+
+    def dead_message(self) -> str | None:
+        if self.is_alive():
+            return None
+        return (f"rank 0 (pid {self._parent_pid}), the parent of this front end, has exited; "
+                f"its error is in the launcher's report")
+
+    def stop(self) -> None:
+        """Nothing to signal: the ranks stop on the Shutdown messages (sent with linger)."""
+
+    def cleanup(self) -> None:
+        pass

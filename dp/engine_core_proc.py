@@ -1,12 +1,14 @@
 """The DP EngineCore process: one rank's busy loop, in lockstep with the other ranks.
 
-Started by :class:`atom.dp.dp_client.DPEngineCoreClient` (or a launcher) as::
+Started by :class:`atom.dp.dp_client.DPEngineCoreClient` as::
 
     python -m atom.dp.engine_core_proc --config-json '{...}' --input-addr ADDR --output-addr ADDR
 
 with the same arguments as :mod:`atom.engine_core_proc`, plus the rank contract in the
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; see
 :mod:`atom.dp.groups`). The DP rank comes from the environment (``--dp-rank`` is ignored).
+Under a launcher (``atom launch``, torchrun) the ``atom`` command itself is the rank process
+and calls :func:`run_rank` (:mod:`atom.entrypoints.launched`).
 
 Per tick, on every rank, in this order (DESIGN.md, "Processes and data flow"), with no early
 return before the control sync:
@@ -42,8 +44,11 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
 from atom.engine_core_proc import EngineCoreProc, _on_sigterm, _parse_args, _ShutdownRequested
@@ -59,13 +64,14 @@ from atom.messages import (
     encode,
 )
 
+if TYPE_CHECKING:
+    from atom.dp.groups import DPGroups
+
 logger = logging.getLogger(__name__)
 
 LOCKSTEP_CHECK_EVERY = 64  # ticks between collective-hash comparisons
 GROUP_TIMEOUT_ENV = "ATOM_DP_GROUP_TIMEOUT_S"
 _DEFAULT_GROUP_TIMEOUT_S = 600.0
-# set by `atom launch` and torchrun: the launcher hosts the TCPStore (atom.launch.env documents
-# it; dp may not import launch, so the check is repeated here)
 
 
 class DPEngineCoreProc(EngineCoreProc):
@@ -77,11 +83,16 @@ class DPEngineCoreProc(EngineCoreProc):
         delayer: this rank's PrefillDelayer.
         groups: the process groups (control and device).
         input_addr, output_addr: the front end's ZMQ endpoints.
+        front_end: the front end, when this rank started it as its child (rank 0 under a
+            launcher). Otherwise the front end is this process's parent (spawned ranks) or
+            elsewhere (other launched ranks), and the parent's exit ends the loop.
     """
 
-    def __init__(self, core, delayer, groups, *, input_addr: str, output_addr: str):
+    def __init__(self, core, delayer, groups, *, input_addr: str, output_addr: str,
+                 front_end: subprocess.Popen | None = None):
         super().__init__(core, input_addr=input_addr, output_addr=output_addr,
                          dp_rank=groups.rank_info.dp_rank)
+        self.front_end = front_end
         self.delayer = delayer
         self.groups = groups
         self.wave_id = 0
@@ -143,14 +154,31 @@ class DPEngineCoreProc(EngineCoreProc):
         """
         while True:
             if os.getppid() != self._parent_pid:
-                logger.warning("[dp%d] the front end process is gone: exiting", self.dp_rank)
+                logger.warning("[dp%d] the parent process is gone: exiting", self.dp_rank)
                 return
+            self._check_front_end()
             if self.idle:
                 self.process_inputs(block=True)  # wakes on StartWave, a request or Shutdown
                 continue
             self.process_inputs(block=False)
             if self._tick():
                 return
+
+    def _check_front_end(self) -> None:
+        """Rank 0's own front end exited: fine after it sent Shutdown (the ranks then stop
+        together); otherwise (it crashed or was killed) raise, so this rank exits non-zero and
+        the launcher stops the others.
+
+        Raises:
+            RuntimeError: the front end exited without shutting the ranks down.
+        """
+        if self.front_end is None or self._shutdown or self.front_end.poll() is None:
+            return
+        self.process_inputs(block=True)  # its Shutdown may still be on the way (≤ 1 s)
+        if not self._shutdown:
+            raise RuntimeError(f"the front end (pid {self.front_end.pid}) exited with code "
+                               f"{self.front_end.returncode} without shutting the ranks down; "
+                               f"its error is above in this rank's stderr")
 
     def _tick(self) -> bool:
         """One tick (module docstring); True when the ranks stop together."""
@@ -208,45 +236,70 @@ def _group_timeout_s() -> float:
     return float(os.environ.get(GROUP_TIMEOUT_ENV, "") or _DEFAULT_GROUP_TIMEOUT_S)
 
 
+def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
+             endpoints: Callable[[DPGroups], tuple[str, str]], store=None,
+             front_end: subprocess.Popen | None = None) -> None:
+    """Run this process as one DP rank until the ranks stop together.
+
+    Loads the engine core, joins the process groups (rank contract from the environment),
+    gets the front end's ``(input_addr, output_addr)`` from ``endpoints(groups)``, connects,
+    sends the ready message and runs :meth:`DPEngineCoreProc.run_busy_loop`.
+
+    Args:
+        config: engine options (``data_parallel_size`` is the world size).
+        extra_eos_token_ids: the tokenizer's EOS ids (the core has no tokenizer).
+        endpoints: where the front end's sockets are (it may wait for them to be published).
+        store: the rendezvous store a launcher hosts (None: rank 0 hosts one).
+        front_end: the front end, when this rank started it (see :class:`DPEngineCoreProc`).
+    Raises:
+        Whatever start-up or the loop raises (LockstepError, CollectiveError, ...); SIGTERM
+        arrives as ``_ShutdownRequested`` once the handler is installed.
+    """
+    from atom.dp.groups import RankInfo, init_process_groups
+    from atom.dp.prefill_delayer import PrefillDelayer, PrefillDelayerConfig
+    from atom.engine_core import EngineCore
+
+    info = RankInfo.from_env()
+    if config.data_parallel_size != info.dp_size:
+        raise ValueError(f"data_parallel_size={config.data_parallel_size} but WORLD_SIZE gives "
+                         f"{info.dp_size} DP ranks")
+    delayer = PrefillDelayer(PrefillDelayerConfig(
+        enabled=config.resolved_prefill_delayer(),
+        max_delay_passes=config.prefill_delayer_max_delay_passes,
+        kv_low_watermark=config.prefill_delayer_kv_low_watermark), dp_rank=info.dp_rank)
+    core = EngineCore(config, prefill_gate=delayer, extra_eos_token_ids=extra_eos_token_ids)
+    proc = None
+    groups = init_process_groups(info, timeout_s=_group_timeout_s(), store=store)
+    try:
+        input_addr, output_addr = endpoints(groups)
+        proc = DPEngineCoreProc(core, delayer, groups, input_addr=input_addr,
+                                output_addr=output_addr, front_end=front_end)
+        proc.send_ready()
+        proc.run_busy_loop()
+    finally:
+        if proc is not None:
+            proc.close()
+        groups.destroy()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one DP rank; returns its exit code (0 on a clean shutdown, 1 on error)."""
+    """Run one DP rank started by the DP client; returns its exit code (0 on a clean
+    shutdown, 1 on error)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     args = _parse_args(argv)
     rank_label = os.environ.get("RANK", "?")
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(levelname)s [dp{rank_label}] %(name)s: %(message)s")
-    proc = None
-    groups = None
     try:
-        from atom.dp.groups import RankInfo, init_process_groups
-        from atom.dp.prefill_delayer import PrefillDelayer, PrefillDelayerConfig
-        from atom.engine_core import EngineCore
-
-        info = RankInfo.from_env()
-        config = EngineConfig.from_kwargs(**json.loads(args.config_json))
-        delayer = PrefillDelayer(PrefillDelayerConfig(
-            enabled=config.resolved_prefill_delayer(),
-            max_delay_passes=config.prefill_delayer_max_delay_passes,
-            kv_low_watermark=config.prefill_delayer_kv_low_watermark), dp_rank=info.dp_rank)
-        core = EngineCore(config, prefill_gate=delayer,
-                          extra_eos_token_ids=tuple(args.extra_eos_token_ids))
-        timeout_s = _group_timeout_s()
-        groups = init_process_groups(info, timeout_s=timeout_s)
-        proc = DPEngineCoreProc(core, delayer, groups, input_addr=args.input_addr,
-                                output_addr=args.output_addr)
-        proc.send_ready()
-        proc.run_busy_loop()
+        run_rank(EngineConfig.from_kwargs(**json.loads(args.config_json)),
+                 extra_eos_token_ids=tuple(args.extra_eos_token_ids),
+                 endpoints=lambda groups: (args.input_addr, args.output_addr))
     except _ShutdownRequested:
         logger.info("SIGTERM: shutting down")
     except Exception:
         logger.exception("DP engine core (rank %s) failed; exiting", rank_label)
         return 1
-    finally:
-        if proc is not None:
-            proc.close()
-        if groups is not None:
-            groups.destroy()
     return 0
 
 

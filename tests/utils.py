@@ -68,3 +68,19 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, k: int = 5) 
 def ours_greedy(outputs) -> list[GreedyResult]:
     """GreedyResults from atom RequestOutputs generated with ``logprobs=k``."""
     return [GreedyResult(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in outputs]
+
+
+RANK_CONTRACT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    """This process's environment for starting a launcher: without any rank contract or
+    atom/torchelastic variables the test runner might carry (``ATOM_CACHE_DIR`` kept: where
+    the model is), one torch thread per rank."""
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith(("ATOM_", "TORCHELASTIC_")) and k != "ATOM_CACHE_DIR")
+           and k not in RANK_CONTRACT_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}

@@ -138,17 +138,23 @@ def main(argv: list[str] | None = None) -> int:
         from atom.launch.launcher import main as launch_main
 
         return launch_main(argv[1:], prog="atom launch")
+    from atom.entrypoints import launched
     from atom.launch.env import rank_env_present
 
-    if rank_env_present():  # a rank under atom launch / torchrun: report tracebacks to it
-        from atom.launch.errors import install_error_handler
-
-        install_error_handler()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
+    as_rank = rank_env_present() and hasattr(args, "data_parallel_size")
     try:
+        if as_rank:  # under atom launch / torchrun (see atom.entrypoints.launched)
+            args.data_parallel_size = launched.launched_data_parallel_size(args.data_parallel_size)
+            if not launched.is_front_end():
+                from atom.launch.errors import install_error_handler
+
+                install_error_handler()  # the launcher reports this rank's traceback
+                return launched.run_rank(argv, EngineConfig.from_kwargs(
+                    **{f.name: getattr(args, f.name) for f in fields(EngineConfig)}))
         return args.func(args)
     except ValueError as exc:  # a bad option value: say which, like argparse does
         args.subparser.error(str(exc))

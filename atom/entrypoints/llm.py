@@ -26,8 +26,10 @@ _live_llms: "weakref.WeakSet[LLM]" = weakref.WeakSet()
 
 def build_engine(config: EngineConfig):
     """The front end's :class:`atom.engine.LLMEngine` for ``config``: one engine-core process,
-    or with ``data_parallel_size > 1`` one per DP rank (:class:`atom.dp.dp_client.DPEngineCoreClient`).
-    Every front end (``LLM``, the CLI, the OpenAI server) builds its engine here.
+    or with ``data_parallel_size > 1`` one per DP rank (:class:`atom.dp.dp_client.DPEngineCoreClient`);
+    in the front end of a launched deployment, a client of the ranks the launcher started
+    (:mod:`atom.entrypoints.launched`). Every front end (``LLM``, the CLI, the OpenAI server)
+    builds its engine here.
 
     Raises:
         ValueError: invalid options or a model that cannot be loaded.
@@ -35,8 +37,12 @@ def build_engine(config: EngineConfig):
     """
     from atom.engine import LLMEngine
 
+    from atom.entrypoints.launched import is_front_end, launched_client
+
     client_factory = None
-    if config.data_parallel_size > 1:
+    if is_front_end():  # rank 0's child under atom launch / torchrun: the ranks run already
+        client_factory = launched_client
+    elif config.data_parallel_size > 1:
         from atom.dp.dp_client import DPEngineCoreClient
 
         def client_factory(config, extra_eos):

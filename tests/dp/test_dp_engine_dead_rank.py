@@ -16,7 +16,7 @@ pytestmark = pytest.mark.xdist_group("multiproc")
 def test_killed_rank_raises_engine_dead_error():
     llm = LLM(data_parallel_size=2, dtype="float32", num_kv_blocks=32, max_model_len=256,
               num_threads=1)
-    procs = list(llm.engine.client.procs)
+    procs = list(llm.engine.client.ranks.procs)
     try:
         procs[1].kill()
         procs[1].wait(timeout=30)

@@ -101,7 +101,7 @@ def test_collective_hashes_identical_after_uneven_work(dp_llm):
 
 def test_idle_group_runs_no_ticks_and_wakes_on_a_request(dp_llm):
     stats = _wait_idle(dp_llm)
-    pids = [p.pid for p in dp_llm.engine.client.procs]
+    pids = [p.pid for p in dp_llm.engine.client.ranks.procs]
     cpu_before = [_cpu_s(pid) for pid in pids]
     time.sleep(2.0)  # a measurement window, not synchronization
     cpu_used = [_cpu_s(pid) - c for pid, c in zip(pids, cpu_before)]

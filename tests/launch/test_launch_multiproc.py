@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import launcher_env
+
 pytestmark = pytest.mark.xdist_group("multiproc")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,14 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ATOM_", "TORCHELASTIC_")) and k not in (
-               "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _start_launcher(tmp_path: Path, *opts: str, env: dict[str, str],
@@ -117,7 +111,7 @@ def _assert_gathered_ranks(results: list[dict]) -> None:
 
 
 def test_two_ranks_on_one_node(tmp_path):
-    env = _env()
+    env = launcher_env()
     del env["OMP_NUM_THREADS"]  # the launcher picks cores ÷ local ranks
     proc = _start_launcher(tmp_path, "--nproc-per-node", "2", env=env)
     rc, _, err = _finish(proc, time.monotonic() + RUN_DEADLINE_S)
@@ -137,8 +131,8 @@ def test_two_nodes_one_rank_each_over_loopback(tmp_path):
     port = str(_free_port())
     common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
     deadline = time.monotonic() + RUN_DEADLINE_S
-    node1 = _start_launcher(tmp_path, *common, "--node-rank", "1", env=_env(), name="node1")
-    node0 = _start_launcher(tmp_path, *common, "--node-rank", "0", env=_env(), name="node0")
+    node1 = _start_launcher(tmp_path, *common, "--node-rank", "1", env=launcher_env(), name="node1")
+    node0 = _start_launcher(tmp_path, *common, "--node-rank", "0", env=launcher_env(), name="node0")
     (rc0, _, err0), (rc1, _, err1) = _finish(node0, deadline), _finish(node1, deadline)
     assert rc0 == 0 and rc1 == 0, (err0, err1)
     results = _results(tmp_path)
@@ -158,7 +152,7 @@ def test_a_failing_rank_stops_every_rank_and_is_reported(tmp_path, mode, exit_co
     """Rank 1 fails; rank 0 waits where no error reaches it. In the exit3 case rank 0 also
     ignores SIGTERM, so the launcher must escalate to SIGKILL after --term-timeout-s."""
     ignore_sigterm = mode == "exit"
-    env = _env(ATOM_TEST_FAIL_RANK="1", ATOM_TEST_FAIL_MODE=mode,
+    env = launcher_env(ATOM_TEST_FAIL_RANK="1", ATOM_TEST_FAIL_MODE=mode,
                ATOM_TEST_IGNORE_SIGTERM="1" if ignore_sigterm else "0")
     proc = _start_launcher(tmp_path, "--nproc-per-node", "2", "--term-timeout-s", "2", env=env)
     rc, _, err = _finish(proc, time.monotonic() + RUN_DEADLINE_S)
@@ -182,7 +176,7 @@ def test_a_failing_rank_stops_every_rank_and_is_reported(tmp_path, mode, exit_co
 def test_a_failing_rank_on_one_node_stops_the_other_node(tmp_path):
     port = str(_free_port())
     common = ("--nnodes", "2", "--master-port", port)
-    env = _env(ATOM_TEST_FAIL_RANK="1", ATOM_TEST_FAIL_MODE="exit")
+    env = launcher_env(ATOM_TEST_FAIL_RANK="1", ATOM_TEST_FAIL_MODE="exit")
     deadline = time.monotonic() + RUN_DEADLINE_S
     node0 = _start_launcher(tmp_path, *common, "--node-rank", "0", env=env, name="node0")
     node1 = _start_launcher(tmp_path, *common, "--node-rank", "1", env=env, name="node1")
@@ -216,7 +210,7 @@ def _read_stdout_until(proc: subprocess.Popen, num_ready: int, deadline: float) 
 def test_stop_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
     """Every rank runs a child of its own (like rank 0's front end); SIGTERM or Ctrl-C's SIGINT
     to the launcher must take down the ranks and their children."""
-    proc = _start_launcher(tmp_path, "--nproc-per-node", "2", env=_env(ATOM_TEST_BLOCK="1"))
+    proc = _start_launcher(tmp_path, "--nproc-per-node", "2", env=launcher_env(ATOM_TEST_BLOCK="1"))
     deadline = time.monotonic() + RUN_DEADLINE_S
     _read_stdout_until(proc, 2, deadline)
     pids = _pids(tmp_path, "rank[0-9].pid") + _pids(tmp_path, "rank[0-9].child.pid")
@@ -232,7 +226,7 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     (tmp_path / "out").mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(WORKER), str(tmp_path / "out")]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=launcher_env(), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     rc, _, err = _finish(proc, time.monotonic() + RUN_DEADLINE_S)
     assert rc == 0, err
@@ -243,7 +237,7 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
 
 def test_default_command_is_an_atom_subcommand(tmp_path):
     cmd = [sys.executable, "-m", "atom.launch", "--log-dir", str(tmp_path), "--", "--help"]
-    done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run(cmd, env=launcher_env(), cwd=REPO, capture_output=True, text=True,
                           timeout=RUN_DEADLINE_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: atom ")  # python -m atom.entrypoints.cli --help

@@ -1,0 +1,191 @@
+"""An ``atom`` command run as one rank of a deployment that ``atom launch`` or torchrun started.
+
+Every process the launcher starts runs the same command line (``atom generate ...``,
+``atom serve ...``) with the rank contract in its environment (:mod:`atom.launch.launcher`).
+Each one is a DP rank: it runs the DP engine-core loop (:func:`atom.dp.engine_core_proc.run_rank`)
+in its main thread and nothing else. The command's own work, the front end, runs once, in a
+child process of rank 0 (so it never sits inside rank 0's busy loop)::
+
+    launcher ─┬─ rank 0: DP engine core ──┬── child: the front end (same command line,
+              │                            │   ATOM_FRONT_END_FD set) binds its ZMQ sockets
+              │                            │   on this node's address and writes them on a pipe
+              │   publishes them in the rendezvous store (atom.launch.endpoints)
+              ├─ rank 1: DP engine core: looks them up, connects
+              └─ ...  (other nodes alike)
+
+Start-up: rank 0 starts the front end first (it loads the tokenizer while the ranks load the
+weights), every rank joins the process groups, rank 0 publishes the front end's endpoints,
+every rank looks them up, connects and sends its ready message to the front end.
+
+Shutdown: the front end finishes its command and sends Shutdown to every rank; the ranks stop
+together (one last control sync) and exit 0; rank 0 then exits with the front end's exit code.
+If the front end dies without that (a crash, a signal), rank 0 exits with an error and the
+launcher stops every rank; if a rank dies, the launcher stops them all, and the front end with
+rank 0's process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from atom.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Set in the front end's environment by rank 0: the pipe (fd) to write its endpoints to.
+FRONT_END_FD_ENV = "ATOM_FRONT_END_FD"
+_OUTPUT_KEY = "dp/front_end/output"
+
+
+def _input_key(dp_rank: int) -> str:
+    return f"dp/front_end/input/{dp_rank}"
+
+
+def is_front_end() -> bool:
+    """True in the front-end child that rank 0 of a launched deployment started."""
+    return os.environ.get(FRONT_END_FD_ENV, "") != ""
+
+
+def launched_data_parallel_size(requested: int) -> int:
+    """The DP size of a launched deployment: ``WORLD_SIZE`` (tensor parallel size is 1).
+
+    Raises:
+        ValueError: ``requested`` (``--data-parallel-size``) is neither 1 (the default) nor
+            ``WORLD_SIZE``.
+    """
+    from atom.dp.groups import RankInfo
+
+    world = RankInfo.from_env().dp_size
+    if requested not in (1, world):
+        raise ValueError(f"--data-parallel-size {requested} disagrees with the launcher's "
+                         f"WORLD_SIZE={world}: leave it out (the launcher sets the ranks)")
+    return world
+
+
+def front_end_host(master_addr: str, master_port: int) -> str:
+    """This node's address on the route to ``master_addr`` (the interface the other ranks can
+    reach it by); ``127.0.0.1`` for a loopback master."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(master_addr), master_port or 1))  # no packet is sent
+        return s.getsockname()[0]
+
+
+def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
+    """The front end's DP client: bind on this node, tell rank 0 the endpoints, wait for the
+    ranks' ready messages.
+
+    Raises:
+        RuntimeError: rank 0 exited before every rank was ready.
+    """
+    from atom.dp.dp_client import DPEngineCoreClient, LaunchedRanks
+    from atom.dp.groups import RankInfo
+
+    info = RankInfo.from_env()
+    fd = int(os.environ[FRONT_END_FD_ENV])
+
+    def announce(output_addr: str, input_addrs: list[str]) -> None:
+        with os.fdopen(fd, "w") as pipe:
+            pipe.write(json.dumps({"output": output_addr, "inputs": input_addrs}) + "\n")
+
+    ranks = LaunchedRanks(front_end_host(info.master_addr, info.master_port), announce)
+    return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos_token_ids, ranks=ranks)
+
+
+def run_rank(argv: list[str], config: EngineConfig) -> int:
+    """Run this process as one DP rank of a launched deployment (module docstring).
+
+    Args:
+        argv: the ``atom`` command line (without the program name); rank 0 starts the front
+            end with it.
+        config: the command's engine options, ``data_parallel_size`` = ``WORLD_SIZE``.
+    Returns:
+        The exit code: rank 0 returns the front end's, the others 0.
+    Raises:
+        RuntimeError: the front end exited before it announced its endpoints, or without
+            shutting the ranks down. Start-up and loop errors of the rank itself propagate
+            (the launcher reports them).
+    """
+    from atom.dp.engine_core_proc import _group_timeout_s, _on_sigterm, _ShutdownRequested
+    from atom.dp.engine_core_proc import run_rank as run_dp_rank
+    from atom.dp.groups import RankInfo
+    from atom.engine import tokenizer_eos_token_ids
+    from atom.launch.endpoints import lookup_endpoint, publish_endpoint
+    from atom.launch.env import worker_store
+    from atom.model_loader import load_tokenizer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; SIGTERM stops us
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    info = RankInfo.from_env()
+    timeout_s = _group_timeout_s()
+    if config.num_threads is None and os.environ.get("OMP_NUM_THREADS"):
+        config = dataclasses.replace(config, num_threads=int(os.environ["OMP_NUM_THREADS"]))
+    front_end, announcements = _start_front_end(argv) if info.rank == 0 else (None, None)
+    try:
+        extra_eos = () if config.skip_tokenizer_init else tokenizer_eos_token_ids(
+            load_tokenizer(config.model))
+
+        def endpoints(groups) -> tuple[str, str]:
+            if front_end is not None:
+                announced = _read_announcement(announcements, front_end, timeout_s=timeout_s)
+                publish_endpoint(groups.store, _OUTPUT_KEY, announced["output"])
+                for rank, address in enumerate(announced["inputs"]):
+                    publish_endpoint(groups.store, _input_key(rank), address)
+            return (lookup_endpoint(groups.store, _input_key(info.dp_rank), timeout_s=timeout_s),
+                    lookup_endpoint(groups.store, _OUTPUT_KEY, timeout_s=timeout_s))
+
+        run_dp_rank(config, extra_eos_token_ids=extra_eos, endpoints=endpoints,
+                    store=worker_store(info, timeout_s=timeout_s), front_end=front_end)
+    except _ShutdownRequested:
+        logger.info("[rank %d] SIGTERM: shutting down", info.rank)
+    except BaseException:
+        if front_end is not None and front_end.poll() is None:
+            front_end.kill()
+        raise
+    finally:
+        if announcements is not None:
+            announcements.close()
+    if front_end is None:
+        return 0
+    try:
+        return front_end.wait(timeout=30.0)
+    except subprocess.TimeoutExpired:
+        front_end.kill()
+        raise RuntimeError("the front end did not exit within 30 s of the ranks' shutdown")
+
+
+def _start_front_end(argv: list[str]):
+    """Start the front end (``python -m atom.entrypoints.cli ARGV``) with a pipe to announce
+    its endpoints on; stdin, stdout and stderr are this rank's."""
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, FRONT_END_FD_ENV: str(write_fd)}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "atom.entrypoints.cli", *argv], env=env,
+                                pass_fds=(write_fd,))
+    finally:
+        os.close(write_fd)
+    return proc, os.fdopen(read_fd, "r")
+
+
+def _read_announcement(pipe, front_end: subprocess.Popen, *, timeout_s: float) -> dict:
+    """The front end's ``{"output": addr, "inputs": [addr per rank]}``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready, _, _ = select.select([pipe], [], [], 0.5)
+        if ready:
+            line = pipe.readline()
+            if line:
+                return json.loads(line)
+            raise RuntimeError(f"the front end (pid {front_end.pid}) exited or closed its pipe "
+                               f"before announcing its endpoints (exit code {front_end.wait()}); "
+                               f"its error is above in rank 0's stderr")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the front end announced no endpoints within {timeout_s:.0f} s")
