@@ -98,8 +98,11 @@ class DPEngineCoreProc(EngineCoreProc):
         self.wave_id = 0
         self.tick = 0
         self.idle = True  # ranks start idle, in wave 0
-        self.num_dummy_steps = 0
+        self.num_dummy_steps = 0  # this rank's
         self.num_real_steps = 0
+        self.num_steps = 0  # forward steps of the group (identical on every rank)
+        self.num_prefill_steps = 0  # ... where some rank prefills
+        self.num_mixed_prefill_steps = 0  # ... where some rank prefills and another does not
         self.num_waves_completed = 0
 
     # ----- inputs -----
@@ -137,7 +140,9 @@ class DPEngineCoreProc(EngineCoreProc):
         out: dict[str, int | float] = {
             "dp_rank": self.dp_rank, "tick": self.tick, "wave_id": self.wave_id,
             "idle": int(self.idle), "num_dummy_steps": self.num_dummy_steps,
-            "num_real_steps": self.num_real_steps,
+            "num_real_steps": self.num_real_steps, "num_steps": self.num_steps,
+            "num_prefill_steps": self.num_prefill_steps,
+            "num_mixed_prefill_steps": self.num_mixed_prefill_steps,
             "num_waves_completed": self.num_waves_completed,
             "collective_count": log.num_collectives, "collective_hash": log.hash_int64}
         out.update({f"prefill_delayer_{k}": v for k, v in self.delayer.stats().items()})
@@ -208,9 +213,13 @@ class DPEngineCoreProc(EngineCoreProc):
         self.delayer.decide(gathered)
         sched = core.schedule()
         is_dummy = sched.is_empty
-        exchange_batch_shape(BatchShape(num_tokens=sum(n for _, n in sched.scheduled),
-                                        num_seqs=len(sched.scheduled), is_dummy=is_dummy,
-                                        tbo_eligible=False), self.groups.device)
+        shapes = exchange_batch_shape(BatchShape(
+            num_tokens=sched.num_batched_tokens, num_seqs=len(sched.scheduled),
+            is_dummy=is_dummy, tbo_eligible=False, has_prefill=sched.num_prefill_seqs > 0),
+            self.groups.device)
+        self.num_steps += 1
+        self.num_prefill_steps += shapes.any_prefill
+        self.num_mixed_prefill_steps += shapes.mixed_prefill
         if is_dummy:
             core.runner.execute_model([])  # same forward (and collectives) on zero tokens
             self.num_dummy_steps += 1

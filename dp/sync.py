@@ -189,31 +189,35 @@ class BatchShape:
         num_seqs: sequences in the batch (0 for a dummy batch).
         is_dummy: the rank had nothing to run and steps a dummy batch that writes no KV.
         tbo_eligible: this rank's batch could be split into two micro-batches.
+        has_prefill: the batch computes prompt tokens (a prefill or a prefill chunk).
     """
 
     num_tokens: int
     num_seqs: int
     is_dummy: bool = False
     tbo_eligible: bool = False
+    has_prefill: bool = False
 
     def __post_init__(self):
         if self.num_tokens < 0 or self.num_seqs < 0:
             raise ValueError(f"num_tokens and num_seqs must be >= 0: {self}")
 
     def pack(self) -> torch.Tensor:
-        """int64 [BATCH_SHAPE_VECTOR_LEN]: magic, num_tokens, num_seqs, is_dummy, tbo_eligible."""
+        """int64 [BATCH_SHAPE_VECTOR_LEN]: magic, num_tokens, num_seqs, is_dummy, tbo_eligible,
+        has_prefill."""
         return torch.tensor([BATCH_SHAPE_MAGIC, self.num_tokens, self.num_seqs,
-                             int(self.is_dummy), int(self.tbo_eligible)], dtype=torch.int64)
+                             int(self.is_dummy), int(self.tbo_eligible), int(self.has_prefill)],
+                            dtype=torch.int64)
 
     @classmethod
     def unpack(cls, vec: torch.Tensor | np.ndarray) -> BatchShape:
         """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not a batch-shape vector."""
-        _, num_tokens, num_seqs, is_dummy, tbo = _checked_row(
+        _, num_tokens, num_seqs, is_dummy, tbo, prefill = _checked_row(
             vec, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape").tolist()
-        return cls(num_tokens, num_seqs, bool(is_dummy), bool(tbo))
+        return cls(num_tokens, num_seqs, bool(is_dummy), bool(tbo), bool(prefill))
 
 
-BATCH_SHAPE_VECTOR_LEN = 5
+BATCH_SHAPE_VECTOR_LEN = 6
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,7 @@ class GatheredBatchShape:
     num_seqs: np.ndarray  # int64
     is_dummy: np.ndarray  # bool
     tbo_eligible: np.ndarray  # bool
+    has_prefill: np.ndarray  # bool
 
     @classmethod
     def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredBatchShape:
@@ -237,7 +242,7 @@ class GatheredBatchShape:
         for row in rows:
             _checked_row(row, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape")
         return cls(rows[:, 1].copy(), rows[:, 2].copy(), rows[:, 3].astype(bool),
-                   rows[:, 4].astype(bool))
+                   rows[:, 4].astype(bool), rows[:, 5].astype(bool))
 
     @classmethod
     def from_shapes(cls, shapes: list[BatchShape]) -> GatheredBatchShape:
@@ -260,6 +265,17 @@ class GatheredBatchShape:
 
     def all_dummy(self) -> bool:
         return bool(self.is_dummy.all())
+
+    @property
+    def any_prefill(self) -> bool:
+        return bool(self.has_prefill.any())
+
+    @property
+    def mixed_prefill(self) -> bool:
+        """Some rank prefills while another does not (decodes only, or steps a dummy batch):
+        the misaligned step the PrefillDelayer exists to avoid, since in an expert-parallel
+        model every rank's MoE layers wait for the slowest rank's batch."""
+        return self.any_prefill and not bool(self.has_prefill.all())
 
 
 def exchange_control(state: ControlState, group: dist.ProcessGroup, *,

@@ -88,8 +88,8 @@ def test_gathered_control_detects_divergence(field, value):
     assert "rank 1:" in text
 
 
-@pytest.mark.parametrize("shape", [BatchShape(0, 0, is_dummy=True), BatchShape(4096, 17, False,
-                                                                                 True)])
+@pytest.mark.parametrize("shape", [BatchShape(0, 0, is_dummy=True),
+                                   BatchShape(4096, 17, False, True, has_prefill=True)])
 def test_batch_shape_round_trip(shape):
     vec = shape.pack()
     assert vec.shape == (BATCH_SHAPE_VECTOR_LEN,) and vec.dtype == torch.int64
@@ -113,3 +113,14 @@ def test_gathered_batch_shape():
     agreed = GatheredBatchShape.from_shapes([BatchShape(5, 1, tbo_eligible=True)] * 2)
     assert agreed.tbo_agreed
     assert GatheredBatchShape.from_shapes([BatchShape(1, 0, is_dummy=True)] * 2).all_dummy()
+
+
+def test_mixed_prefill_steps():
+    prefill, decode, dummy = (BatchShape(40, 2, has_prefill=True), BatchShape(3, 3),
+                              BatchShape(0, 0, is_dummy=True))
+    assert GatheredBatchShape.from_shapes([prefill, decode]).mixed_prefill
+    assert GatheredBatchShape.from_shapes([dummy, prefill]).mixed_prefill
+    aligned = GatheredBatchShape.from_shapes([prefill, prefill])
+    assert aligned.any_prefill and not aligned.mixed_prefill
+    no_prefill = GatheredBatchShape.from_shapes([decode, dummy])
+    assert not no_prefill.any_prefill and not no_prefill.mixed_prefill
