@@ -253,14 +253,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def script_main(argv: list[str] | None, *, description: str, add_args, run_args) -> int:
+    """A benchmark script's ``main``: parse ``argv`` with ``add_args``, run ``run_args(args)``;
+    a ``ValueError`` (bad flag values) exits like an argparse error."""
+    parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_offline_args(parser)
+    add_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return run(args)
+        return run_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main(argv, description=__doc__.split("\n\n")[0], add_args=add_offline_args,
+                       run_args=run)

@@ -4,7 +4,9 @@
   (``--chat`` wraps each prompt as a user message through the chat template).
 - ``atom chat``: interactive; each line you type is a user turn, the reply streams as it is
   generated; Ctrl-C or EOF (Ctrl-D) ends the session (exit code 0).
-- ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`).
+- ``atom serve``: the OpenAI-compatible server (:mod:`atom.entrypoints.openai.api_server`).
+- ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`);
+  ``atom bench serve ...``: the serving benchmark (:mod:`atom.entrypoints.bench_serving`).
 
 Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
 ``--num-kv-blocks``, ...), generated from :class:`atom.config.EngineConfig`. ``--seed`` seeds the
@@ -120,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, subparser=chat)
 
+    from atom.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub, fmt)
+
     sub.add_parser("launch", help="start N ranks torchrun-style: atom launch --nproc-per-node N -- "
                                   "COMMAND (see `atom launch --help`)")
     bench_parser = sub.add_parser("bench", help="benchmarks")
@@ -128,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    description=bench.__doc__.split("\n\n")[0], formatter_class=fmt)
     bench.add_offline_args(offline)
     offline.set_defaults(func=bench.run, subparser=offline)
+    from atom.entrypoints import bench_serving
+
+    bench_serving.add_bench_serve_parser(bench_sub, fmt)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``atom serve``): see :mod:`atom.entrypoints.openai.api_server`."""

@@ -1,0 +1,267 @@
+"""``atom serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (behind
+``--api-key`` when given: ``Authorization: Bearer KEY``), and ``GET /health``, ``GET /metrics``
+(Prometheus), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``.
+
+Errors, in one place (:func:`_install_error_handlers`): bad input is a 400 and an unknown model a
+404, both with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; a missing or
+wrong API key is a 401; a dead engine is a 503. Bad input never reaches the engine.
+
+A client that disconnects aborts its request (streaming: the response task is cancelled;
+non-streaming: a watcher on the connection cancels the handler), so its KV blocks are freed
+within a step. ``/health`` is 503 once an engine core has exited or does not answer a stats call
+within ``_HEALTH_TIMEOUT_S``.
+
+SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
+``--drain-timeout`` seconds for in-flight responses, then cancels the rest (which aborts their
+requests); then the engine cores shut down and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import logging
+import secrets
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from atom.engine_core_client import EngineDeadError
+from atom.entrypoints.openai import protocol as p
+from atom.entrypoints.openai.async_engine import AsyncEngine
+from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME
+from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from atom.entrypoints.openai.serving import APIError, OpenAIServing, sse, sse_json
+from atom.entrypoints.openai.serving_chat import create_chat_completion
+from atom.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_TIMEOUT_S = 10.0  # a stats round trip through every engine core must finish in this
+
+
+def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | None) -> FastAPI:
+    """The FastAPI app over a running engine (``serving.engine``)."""
+    app = FastAPI(title="atom", version=_version())
+    _install_error_handlers(app)
+    engine = serving.engine
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.post("/completions")
+    async def completions(req: p.CompletionRequest, request: Request):
+        return await _respond(request, create_completion(serving, req))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(req: p.ChatCompletionRequest, request: Request):
+        return await _respond(request, create_chat_completion(serving, req))
+
+    @v1.get("/models")
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=serving.model_name,
+                                             max_model_len=serving.max_model_len)])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            alive = await engine.call(lambda e: e.client_is_alive() and bool(e.get_stats()),
+                                      timeout_s=_HEALTH_TIMEOUT_S)
+        except (EngineDeadError, TimeoutError):
+            alive = False
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            rank_stats = await engine.call(_rank_stats, timeout_s=_HEALTH_TIMEOUT_S)
+        except (EngineDeadError, TimeoutError):
+            rank_stats = []
+        return Response(metrics.render(rank_stats), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(req: p.TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("send exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = serving.chat_prompt(req.messages,
+                                      add_generation_prompt=req.add_generation_prompt).token_ids
+        else:
+            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(req: p.DetokenizeRequest) -> dict[str, str]:
+        serving.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < serving.vocab_size]
+        if bad:
+            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {serving.vocab_size})",
+                           param="tokens")
+        return {"prompt": serving.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+def _rank_stats(engine) -> list[dict]:
+    """Each engine core's stats (DP: per rank; one rank: its stats)."""
+    client = engine.client
+    return client.get_rank_stats() if hasattr(client, "get_rank_stats") else [engine.get_stats()]
+
+
+def _version() -> str:
+    return importlib.metadata.version("atom")
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+            raise APIError("Incorrect API key provided: pass 'Authorization: Bearer KEY'",
+                           status=401, code="invalid_api_key")
+    return check
+
+
+# ----- responses, disconnects -----
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` (a response model, or an SSE iterator for ``stream``), cancelling it if
+    the client disconnects first (which aborts its engine requests). A stream is started here
+    up to its first event, so an error the engine reports at once is still a 400."""
+    async def run() -> Any:
+        result = await work
+        if not isinstance(result, AsyncIterator):
+            return result
+        first = await anext(result)
+        return StreamingResponse(_stream_events(first, result), media_type="text/event-stream")
+
+    handler = asyncio.ensure_future(run())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()  # the client left (or this task was cancelled): abort
+    if handler.cancelled():
+        return Response(status_code=499)  # nobody reads this
+    return handler.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream_events(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE events; an error after the stream started becomes an error event."""
+    yield first
+    try:
+        async for event in rest:
+            yield event
+    except (APIError, EngineDeadError) as exc:
+        status, body = _error_body(exc)
+        yield sse_json(body)
+        yield sse("[DONE]")
+
+
+def _error_body(exc: Exception) -> tuple[int, dict]:
+    if isinstance(exc, APIError):
+        info = p.ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+        return exc.status, p.ErrorResponse(error=info).model_dump()
+    if isinstance(exc, EngineDeadError):
+        info = p.ErrorInfo(message=f"the engine is not running: {exc}", type="server_error",
+                           code="engine_dead")
+        return 503, p.ErrorResponse(error=info).model_dump()
+    info = p.ErrorInfo(message=f"internal server error: {type(exc).__name__}", type="server_error")
+    return 500, p.ErrorResponse(error=info).model_dump()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error the server returns goes through here, as OpenAI error JSON."""
+
+    @app.exception_handler(APIError)
+    @app.exception_handler(EngineDeadError)
+    async def known_error(request: Request, exc: Exception) -> JSONResponse:
+        status, body = _error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None  # the request field (deeper parts are pydantic's)
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(p.ErrorResponse(error=p.ErrorInfo(
+            message=message, type="invalid_request_error", param=param)).model_dump(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(p.ErrorResponse(error=p.ErrorInfo(
+            message=str(exc.detail), type="invalid_request_error")).model_dump(),
+            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        status, body = _error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+
+# ----- the process -----
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine, serve until SIGTERM / Ctrl-C, drain, shut the engine down; returns 0.
+
+    Raises:
+        ValueError: bad engine options, or ``--skip-tokenizer-init`` (the API needs text).
+        RuntimeError: an engine core failed to start.
+    """
+    import uvicorn
+
+    from atom.config import config_from_args
+    from atom.entrypoints.llm import build_engine
+
+    config = config_from_args(args)
+    if config.skip_tokenizer_init:
+        raise ValueError("atom serve needs the tokenizer: drop --skip-tokenizer-init")
+    model_name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
+    metrics = ServerMetrics(model_name)
+    engine = build_engine(config)
+    async_engine = AsyncEngine(engine, on_finished=metrics.record_finished)
+    try:
+        serving = OpenAIServing(async_engine, engine.tokenizer, model_name=model_name,
+                                max_model_len=engine.runtime.max_model_len,
+                                vocab_size=engine.runtime.vocab_size)
+        app = build_app(serving, metrics, api_key=args.api_key)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+            access_log=args.access_log, timeout_graceful_shutdown=args.drain_timeout))
+        # uvicorn re-raises the signal that stopped it once it has drained; with these
+        # handlers that re-raise only logs, so a drained server exits 0 instead of dying by it
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _drained)
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def _drained(signum: int, frame: Any) -> None:
+    logger.info("drained after %s; shutting the engine down", signal.Signals(signum).name)

@@ -1,0 +1,228 @@
+"""AsyncEngine: an :class:`atom.engine.LLMEngine` driven by one thread, used from asyncio.
+
+``LLMEngine`` is synchronous and not thread-safe, and its ``step()`` blocks (up to a second)
+waiting for the engine cores. So one thread owns it and does everything with it:
+
+    asyncio handlers ──(command queue: add / abort / call / stop)──> engine thread
+    engine thread: drain commands → engine.step() → RequestOutputs
+    engine thread ──(loop.call_soon_threadsafe)──> one asyncio.Queue per request
+
+While no request is unfinished the thread sleeps on the command queue (no polling). A request
+whose consumer goes away (client disconnect, cancelled task) is aborted by :meth:`generate`'s
+``finally``; a request that finished inside the engine is never aborted (no abort message).
+
+If the engine dies (an engine-core process exited: ``EngineDeadError``), every open request
+and every later call gets that error; :attr:`dead_error` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from atom.engine_core_client import EngineDeadError
+from atom.outputs import RequestOutput
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    stream: "_Stream"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    """Owns an ``LLMEngine`` and the thread that drives it.
+
+    Args:
+        engine: the engine (built by :func:`atom.entrypoints.llm.build_engine`); from now on
+            only this object's thread touches it.
+        on_finished: called on the engine thread with every request's final output (metrics).
+
+    Guarantees: each request's outputs arrive in order, the last one with ``finished=True``;
+    outputs of requests nobody waits for any more are dropped.
+    """
+
+    def __init__(self, engine, *, on_finished: Callable[[RequestOutput], None] | None = None):
+        self.engine = engine
+        self._on_finished = on_finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # orders "submit a command" against "the thread ended"
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
+        self._thread.start()
+
+    # ----- asyncio side -----
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       *, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields its outputs, the last one finished.
+
+        Closing the iterator early (or cancelling the task awaiting it) aborts the request, so
+        its KV blocks are freed within a step.
+
+        Raises:
+            EngineDeadError: the engine died before or while the request ran.
+            ValueError: ``request_id`` is already in use.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, stream))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished and self.dead_error is None:
+                self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[Any], T], *, timeout_s: float | None = None) -> T:
+        """Run ``fn(engine)`` on the engine thread (between steps) and return its result.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            TimeoutError: no result within ``timeout_s`` seconds (a stuck engine).
+            Whatever ``fn`` raises.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (open requests get ``EngineDeadError``), then shut the engine down
+        (its cores exit). Idempotent."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout_s)
+        self.engine.shutdown()
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    def _submit(self, command: _Add | _Call) -> None:
+        with self._lock:
+            if self.dead_error is not None:
+                raise EngineDeadError(f"the engine is not running: {self.dead_error}")
+            self._commands.put(command)
+
+    # ----- engine thread -----
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out)
+            reason: BaseException = EngineDeadError("the server is shutting down")
+        except Exception as exc:  # EngineDeadError from a core, or a bug: never hang clients
+            logger.exception("the engine thread stopped")
+            reason = exc
+        with self._lock:
+            self.dead_error = reason
+        for stream in self._streams.values():
+            stream.put(reason)
+        self._streams.clear()
+        self._fail_pending_calls(reason)
+
+    def _handle_commands(self, *, block: bool) -> bool:
+        """Apply queued commands (waiting for one if ``block``); False once told to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            self._streams[command.request_id] = command.stream
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids,
+                                        command.params, prompt=command.prompt)
+            except ValueError as exc:  # a duplicate id: that request fails, nothing else
+                self._streams.pop(command.request_id)
+                command.stream.put(exc)
+        elif isinstance(command, _Abort):
+            self._streams.pop(command.request_id, None)
+            self.engine.abort_request(command.request_id)
+        else:
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as exc:  # the caller gets it; a dead core also ends this thread
+                command.future.set_exception(exc)
+                if not self.engine.client_is_alive():
+                    raise
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if out.finished:
+            stream = self._streams.pop(out.request_id, None)
+            if self._on_finished is not None:
+                self._on_finished(out)
+        else:
+            stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+
+    def _fail_pending_calls(self, reason: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                command.future.set_exception(EngineDeadError(str(reason)))
+            elif isinstance(command, _Add):
+                command.stream.put(EngineDeadError(str(reason)))

@@ -1,0 +1,38 @@
+"""The ``atom serve`` subcommand's flags (kept free of FastAPI imports so ``atom --help`` and the
+other subcommands stay fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+from atom.config import add_engine_args
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags plus every engine option."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to bind")
+    parser.add_argument("--served-model-name",
+                        help=f"model name in the API (default: --model, or {DEFAULT_MODEL_NAME})")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for in-flight requests before aborting them")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level (stderr)")
+    add_engine_args(parser)
+
+
+def add_serve_parser(subparsers, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> None:
+    """Register ``serve`` on the ``atom`` command's subparsers."""
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                  formatter_class=formatter_class)
+    add_serve_args(serve)
+    serve.set_defaults(func=_run, subparser=serve)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from atom.entrypoints.openai.api_server import run_server
+
+    return run_server(args)

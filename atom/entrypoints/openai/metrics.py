@@ -1,0 +1,138 @@
+"""Prometheus metrics of the server (``GET /metrics``), with vLLM-style names under ``atom:``.
+
+Two sources:
+
+- engine state, read from every engine core's ``get_stats`` when ``/metrics`` is scraped and
+  labelled ``dp_rank``: running and waiting sequences, KV cache usage (blocks with ref count > 0
+  over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
+  (tokens), preemptions, aborted and front-end-finished sequences, and, with data parallelism,
+  the PrefillDelayer's decisions per reason and its hold rate;
+- per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
+  latency histograms (seconds), prompt and generation token counters, finished requests per
+  ``finished_reason``.
+
+Every series carries ``model_name``. Nothing here talks to the engine: the server passes the
+stats in (:meth:`ServerMetrics.render`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from atom.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                      160.0, 320.0)
+_TPOT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+# (metric name, stats key, help) of the engine counters and gauges
+_ENGINE_GAUGES = (
+    ("atom:num_requests_running", "num_running", "Sequences in the running batch."),
+    ("atom:num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled."),
+    ("atom:num_kv_blocks_total", "num_total_blocks", "KV cache blocks in the pool."),
+    ("atom:prefill_delayer_hold_rate", "prefill_delayer_hold_rate",
+     "PrefillDelayer holds / ticks where some rank was ready."),
+)
+_ENGINE_COUNTERS = (
+    ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("atom:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("atom:num_preemptions", "num_preemptions", "Sequences preempted (recompute)."),
+    ("atom:num_aborted_seqs", "num_aborted_seqs", "Sequences aborted by clients (disconnects)."),
+    ("atom:num_front_end_finished_seqs", "num_front_end_finished_seqs",
+     "Sequences ended by a stop string matched in the front end."),
+)
+_DELAYER_PREFIX = "prefill_delayer_"
+_DELAYER_REASONS = ("allow_all", "allow_none", "hold", "timeout", "watermark", "disabled")
+
+
+class _EngineCollector:
+    """Yields the engine series from the last stats snapshot (one dict per DP rank)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.rank_stats: list[dict] = []
+
+    def collect(self):
+        labels = ["model_name", "dp_rank"]
+        rows = [([self.model_name, str(s.get("dp_rank", i))], s) for i, s in enumerate(self.rank_stats)]
+        usage = GaugeMetricFamily("atom:kv_cache_usage_perc",
+                                  "KV cache usage: blocks with ref count > 0 / all blocks (0-1).",
+                                  labels=labels)
+        used = GaugeMetricFamily("atom:num_kv_blocks_used", "KV cache blocks with ref count > 0.",
+                                 labels=labels)
+        for values, s in rows:
+            total, free = s.get("num_total_blocks", 0), s.get("num_free_blocks", 0)
+            used.add_metric(values, total - free)
+            usage.add_metric(values, (total - free) / total if total else 0.0)
+        yield usage
+        yield used
+        for name, key, doc in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for values, s in rows:
+                if key in s:
+                    family.add_metric(values, s[key])
+            yield family
+        for name, key, doc in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for values, s in rows:
+                family.add_metric(values, s.get(key, 0))
+            yield family
+        decisions = CounterMetricFamily("atom:prefill_delayer_decisions",
+                                        "PrefillDelayer decisions per reason (DP only).",
+                                        labels=labels + ["reason"])
+        for values, s in rows:
+            for reason in _DELAYER_REASONS:
+                if _DELAYER_PREFIX + reason in s:
+                    decisions.add_metric(values + [reason], s[_DELAYER_PREFIX + reason])
+        yield decisions
+
+
+class ServerMetrics:
+    """The server's registry: per-request histograms and counters plus the engine collector.
+
+    Thread-safe for :meth:`record_finished` (prometheus_client metrics are); :meth:`render`
+    runs on the event loop.
+    """
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        disable_created_metrics()  # no *_created series (process-wide; this is the server)
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        kw = dict(labelnames=labels, registry=self.registry)
+        self.ttft_s = Histogram("atom:time_to_first_token_seconds", "Time to first token (TTFT).",
+                                buckets=_LATENCY_BUCKETS_S, **kw)
+        self.tpot_s = Histogram("atom:time_per_output_token_seconds",
+                                "Mean time per output token after the first (TPOT).",
+                                buckets=_TPOT_BUCKETS_S, **kw)
+        self.e2e_s = Histogram("atom:e2e_request_latency_seconds", "End-to-end request latency.",
+                               buckets=_LATENCY_BUCKETS_S, **kw)
+        self.prompt_tokens = Counter("atom:prompt_tokens", "Prompt tokens of finished requests.", **kw)
+        self.generation_tokens = Counter("atom:generation_tokens",
+                                         "Output tokens of finished requests (all choices).", **kw)
+        self.request_success = Counter("atom:request_success", "Finished requests per reason.",
+                                       labelnames=["model_name", "finished_reason"],
+                                       registry=self.registry)
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+
+    def record_finished(self, out: RequestOutput) -> None:
+        """Account one finished request (called on the engine thread)."""
+        m = out.metrics
+        if m is not None:
+            for histogram, value in ((self.ttft_s, m.ttft_s), (self.tpot_s, m.tpot_s),
+                                     (self.e2e_s, m.e2e_latency_s)):
+                if value is not None:
+                    histogram.labels(self.model_name).observe(value)
+        self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(self.model_name).inc(sum(len(c.token_ids) for c in out.outputs))
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.request_success.labels(self.model_name, str(reason)).inc()
+
+    def render(self, rank_stats: list[dict]) -> bytes:
+        """The exposition text, with the engine series from ``rank_stats`` (one dict per rank)."""
+        self._engine.rank_stats = rank_stats
+        return generate_latest(self.registry)

@@ -1,0 +1,298 @@
+"""The generation endpoints: OpenAI request → token ids + SamplingParams → engine → response.
+
+One path serves ``/v1/completions`` and ``/v1/chat/completions``: every prompt of a request
+becomes one engine request (``n`` choices each, numbered ``prompt_index * n + choice``); their
+outputs are merged into one stream of per-choice deltas (:meth:`OpenAIServing._deltas`), which the
+endpoint formats as SSE chunks or collects into one response.
+
+Streaming rules: a choice's text only ever grows (the output side holds back a possible
+stop-string prefix and never splits a UTF-8 character); each choice gets exactly one chunk with
+its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``usage: null`` and
+one last chunk with no choices carries the usage; without it no chunk has ``usage``.
+
+Bad input raises :class:`APIError` (mapped to OpenAI error JSON in
+:mod:`atom.entrypoints.openai.api_server`) before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from atom.engine_core import check_token_ids
+from atom.entrypoints.openai import protocol as p
+from atom.entrypoints.openai.async_engine import AsyncEngine
+from atom.outputs import CompletionOutput, RequestOutput
+from atom.sampling_params import SamplingParams
+
+_MAX_N = 128  # OpenAI's limit on choices per request
+_MIN_LOGPROB = -9999.0  # -inf is not JSON: clamp (as vLLM does)
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range is [-100, 100]
+_INT64 = 2**63
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP ``status`` and the OpenAI error fields."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class Delta:
+    """New output of one choice since the last delta."""
+
+    index: int  # choice index in the response (prompt_index * n + choice)
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool  # the first delta of this choice
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # first delta, when asked
+
+
+@dataclass
+class _ChoiceCursor:
+    num_chars: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass
+class UsageTally:
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    def usage(self) -> p.Usage:
+        prompt = sum(self.prompt_tokens)
+        return p.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                       total_tokens=prompt + self.completion_tokens,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+
+
+class OpenAIServing:
+    """Turns requests into engine requests and engine outputs into OpenAI responses.
+
+    Args:
+        engine: the running engine.
+        tokenizer: the engine's tokenizer (a private copy is used here, so the event loop and
+            the engine thread never share one).
+        model_name: the served model name (requests naming another model get a 404).
+        max_model_len, vocab_size: from the engine's runtime (context and id checks).
+    """
+
+    def __init__(self, engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int,
+                 vocab_size: int):
+        self.engine = engine
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    # ----- request checks -----
+
+    def check_model(self, model: str | None) -> None:
+        """Raises APIError 404 for a model name other than the served one."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
+                           code="model_not_found")
+
+    def sampling_params(self, req: p._SamplingFields, *, max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams of a request (temperature and top_p default to 1, as OpenAI).
+
+        Raises:
+            APIError: a value out of range (``param`` names the field).
+        """
+        if not 1 <= req.n <= _MAX_N:
+            raise APIError(f"n={req.n} is invalid: must be in [1, {_MAX_N}]", param="n")
+        if req.seed is not None and not -_INT64 <= req.seed < _INT64:
+            raise APIError(f"seed={req.seed} does not fit 64 bits", param="seed")
+        bias = req.logit_bias or {}
+        if any(abs(v) > _MAX_LOGIT_BIAS for v in bias.values()):
+            raise APIError(f"logit_bias values must be in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]",
+                           param="logit_bias")
+        options = dict(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens, logit_bias=bias)
+        try:
+            return SamplingParams(**options)
+        except ValueError as exc:
+            match = re.match(r"SamplingParams\.(\w+)=", str(exc))
+            raise APIError(str(exc).replace("SamplingParams.", ""),
+                           param=match.group(1) if match else None) from exc
+
+    def check_prompt(self, prompt: _Prompt, params: SamplingParams, *, param: str) -> None:
+        """Raises APIError for an empty prompt, ids outside the vocabulary, or a prompt plus
+        ``max_tokens`` beyond the context (``max_model_len``)."""
+        num_tokens = len(prompt.token_ids)
+        if num_tokens == 0:
+            raise APIError(f"{param} is empty: send at least one token", param=param)
+        for ids, name in ((prompt.token_ids, param), (params.stop_token_ids, "stop_token_ids"),
+                          (list(params.logit_bias), "logit_bias")):
+            error = check_token_ids(ids, [], [], vocab_size=self.vocab_size)
+            if error is not None:
+                raise APIError(error.replace("prompt token ids", name), param=name)
+        num_requested = num_tokens + (params.max_tokens or 1)
+        if num_requested > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_requested} tokens ({num_tokens} in the {param}, "
+                f"{params.max_tokens or 1} in the completion). Reduce the length of the {param} "
+                f"or the completion.", param=param, code="context_length_exceeded")
+
+    # ----- prompts -----
+
+    def completion_prompts(self, prompt: str | list) -> list[_Prompt]:
+        """The prompts of a completions request (one per string or token-id list)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt is empty: send at least one prompt", param="prompt")
+        return [_Prompt(x, self.tokenizer.encode(x, add_special_tokens=False)) if isinstance(x, str)
+                else _Prompt(None, list(x)) for x in prompt]
+
+    def chat_prompt(self, messages: list[p.ChatMessage], *, add_generation_prompt: bool) -> _Prompt:
+        """The chat template applied to ``messages`` (text content only).
+
+        Raises:
+            APIError: no messages, a non-text content part, or a template error.
+        """
+        if not messages:
+            raise APIError("messages is empty: send at least one message", param="messages")
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(part.get("type") != "text" or not isinstance(part.get("text"), str)
+                       for part in content):
+                    raise APIError("only text content parts are supported", param="messages")
+                content = "".join(part["text"] for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja2 raises its own errors for malformed conversations
+            raise APIError(f"the chat template failed on these messages: {exc}",
+                           param="messages") from exc
+        return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ----- running -----
+
+    async def outputs(self, prompts: list[_Prompt],
+                      params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt_index, output)`` of every prompt's request, as the engine produces them.
+
+        Closing the iterator aborts the requests still running.
+        """
+        base = uuid.uuid4().hex
+        updates: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, prompt: _Prompt) -> None:
+            try:
+                async for out in self.engine.generate(f"{base}-{i}", prompt.token_ids, params,
+                                                      prompt=prompt.text):
+                    updates.put_nowait((i, out))
+            except Exception as exc:  # the consumer re-raises it
+                updates.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, x)) for i, x in enumerate(prompts)]
+        try:
+            num_open = len(prompts)
+            while num_open:
+                i, out = await updates.get()
+                if isinstance(out, Exception):
+                    raise out
+                num_open -= out.finished
+                yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()  # a running request's generator aborts it on the way out
+
+    async def deltas(self, prompts: list[_Prompt], params: SamplingParams,
+                     tally: UsageTally) -> AsyncIterator[Delta]:
+        """Per-choice deltas; ``tally`` holds the usage once the iterator is exhausted.
+
+        Raises:
+            APIError: the engine refused a prompt (e.g. it can never fit the KV cache).
+        """
+        cursors = [[_ChoiceCursor() for _ in range(params.n)] for _ in prompts]
+        tally.prompt_tokens = [len(x.token_ids) for x in prompts]
+        tally.cached_tokens = [0] * len(prompts)
+        async for i, out in self.outputs(prompts, params):
+            tally.cached_tokens[i] = out.num_cached_tokens
+            for c in out.outputs:
+                delta = _advance(cursors[i][c.index], c, prompt_index=i, n=params.n,
+                                 want_logprobs=params.logprobs is not None)
+                if delta is not None:
+                    if delta.first:
+                        delta.prompt_logprobs = out.prompt_logprobs
+                    yield delta
+            if out.finished:
+                tally.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+
+def _advance(cursor: _ChoiceCursor, c: CompletionOutput, *, prompt_index: int, n: int,
+             want_logprobs: bool) -> Delta | None:
+    """The delta of choice ``c`` past ``cursor`` (None while there is no new text and no
+    finish: tokens without text yet wait, with their logprobs, for the next delta)."""
+    if cursor.finished:
+        return None
+    if c.finish_reason == "error":
+        raise APIError(c.error or "the request failed", param="prompt")
+    text = c.text[cursor.num_chars:]
+    if not text and c.finish_reason is None:
+        return None
+    delta = Delta(index=prompt_index * n + c.index, prompt_index=prompt_index, text=text,
+                  token_ids=c.token_ids[cursor.num_tokens:],
+                  logprobs=c.logprobs[cursor.num_tokens:] if want_logprobs and c.logprobs else
+                  ([] if want_logprobs else None),
+                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                  first=not cursor.started)
+    cursor.num_chars, cursor.num_tokens = len(c.text), len(c.token_ids)
+    cursor.started, cursor.finished = True, c.finish_reason is not None
+    return delta
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def sse(payload: str) -> str:
+    """One server-sent event carrying ``payload`` (JSON, or ``[DONE]``)."""
+    return f"data: {payload}\n\n"
+
+
+def sse_json(chunk: dict) -> str:
+    return sse(json.dumps(chunk, ensure_ascii=False, separators=(",", ":")))

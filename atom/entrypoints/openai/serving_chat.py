@@ -1,0 +1,87 @@
+"""``/v1/chat/completions``: messages through the chat template, streamed or not, with
+``logprobs`` / ``top_logprobs``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from atom.entrypoints.openai import protocol as p
+from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, UsageTally
+from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
+
+
+async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest
+                                 ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+    """The response, or (``stream``) an iterator of SSE events ending in ``[DONE]``: per
+    choice a first chunk with the role, content chunks, and one chunk with its finish_reason.
+
+    Raises:
+        APIError: bad input (400) or an unknown model (404).
+    """
+    serving.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_top)
+    prompt = serving.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
+    serving.check_prompt(prompt, params, param="messages")
+    tally = UsageTally()
+    header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                  model=serving.model_name)
+    deltas = serving.deltas([prompt], params, tally)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(serving, deltas, tally, num_top=num_top, include_usage=include_usage,
+                       header=header)
+    choices: dict[int, p.ChatChoice] = {}
+    async for delta in deltas:
+        logprobs = _logprobs(serving, delta, num_top)
+        choice = choices.setdefault(delta.index, p.ChatChoice(
+            index=delta.index, message=p.AssistantMessage(content=""),
+            logprobs=None if logprobs is None else p.ChatLogprobs()))
+        choice.message.content += delta.text
+        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        if logprobs is not None:
+            choice.logprobs.content.extend(logprobs.content)
+    return p.ChatCompletionResponse(**header, choices=[choices[i] for i in sorted(choices)],
+                                    usage=tally.usage())
+
+
+def _logprobs(serving: OpenAIServing, delta: Delta, num_top: int | None) -> p.ChatLogprobs | None:
+    if num_top is None or delta.logprobs is None:
+        return None
+    content = []
+    for token_id, top in zip(delta.token_ids, delta.logprobs):
+        token = serving.token_str(token_id)
+        content.append(p.TokenLogprob(
+            token=token, logprob=clamp_logprob(top[token_id]), bytes=list(token.encode()),
+            top_logprobs=[p.TopLogprob(token=(t := serving.token_str(tid)), logprob=clamp_logprob(v),
+                                       bytes=list(t.encode()))
+                          for tid, v in list(top.items())[:num_top]]))
+    return p.ChatLogprobs(content=content)
+
+
+async def _stream(serving: OpenAIServing, deltas: AsyncIterator[Delta], tally: UsageTally, *,
+                  num_top: int | None, include_usage: bool, header: dict) -> AsyncIterator[str]:
+    def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
+        body = p.ChatCompletionChunk(**header, choices=choices, usage=usage).model_dump()
+        if not include_usage:
+            del body["usage"]
+        return sse_json(body)
+
+    async for delta in deltas:
+        if delta.first:  # OpenAI's first chunk of a choice carries the role only
+            yield chunk([p.ChatChunkChoice(index=delta.index,
+                                           delta=p.DeltaMessage(role="assistant", content=""))])
+        yield chunk([p.ChatChunkChoice(index=delta.index, delta=p.DeltaMessage(content=delta.text),
+                                       logprobs=_logprobs(serving, delta, num_top),
+                                       finish_reason=delta.finish_reason,
+                                       stop_reason=delta.stop_reason)])
+    if include_usage:
+        yield chunk([], tally.usage())
+    yield sse("[DONE]")

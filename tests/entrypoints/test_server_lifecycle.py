@@ -1,0 +1,53 @@
+"""``atom serve`` lifecycle: /health follows the engine core; SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from conftest import MODEL, RemoteServer
+
+pytestmark = pytest.mark.xdist_group("multiproc")
+
+
+def _engine_cores(server: RemoteServer) -> list[psutil.Process]:
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    return [p for p in children if "engine_core_proc" in " ".join(p.cmdline())]
+
+
+def test_health_fails_when_the_engine_core_dies():
+    server = RemoteServer()
+    try:
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        (core,) = _engine_cores(server)
+        core.kill()  # the server reaps it (it is the server's child, not ours)
+        deadline = time.monotonic() + 30
+        status = 200
+        while status == 200 and time.monotonic() < deadline:
+            status = httpx.get(server.url + "/health", timeout=30).status_code
+        assert status == 503
+        # requests now fail with a server error (JSON), not a hang
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0():
+    server = RemoteServer("--drain-timeout", "60")
+    cores = _engine_cores(server)
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=48,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = [next(iter(stream))]
+    server.proc.send_signal(signal.SIGTERM)
+    chunks += list(stream)  # the in-flight request runs to its end
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert server.proc.wait(60) == 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cores)
