@@ -20,8 +20,10 @@ Tokens after the last sequence (``T > query_start_loc[-1]``) are padding: they w
 (slot ``-1``) and their attention output is zero.
 
 Sequences are ordered decodes first: the first ``num_decodes`` sequences have ``query_len == 1``
-and go through one batched gather + masked SDPA (:func:`paged_decode_attention`); the others go
-through the per-sequence reference (:func:`paged_prefill_attention_reference`).
+and go through one batched call (:func:`decode_attention`: the compiled kernel of
+:mod:`atom.kernels.cpu_ops`, which reads the blocks in place, or, without it, the torch
+gather + masked SDPA of :func:`paged_decode_attention`); the others go through the per-sequence
+reference (:func:`paged_prefill_attention_reference`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from atom.kernels import cpu_ops
 
 #: The one sentinel slot value: a token whose slot is ``NO_KV_WRITE_SLOT`` writes no KV. Used for
 #: dummy batches (a DP rank with no work still runs the forward) and for padding tokens.
@@ -208,6 +212,25 @@ def paged_decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, *, scale: float,
+) -> torch.Tensor:
+    """Batched decode attention: the compiled CPU kernel when it is built, else the torch path.
+
+    The kernel (``kernels/csrc/paged_attention.cpp``) walks each sequence's block table and reads
+    K/V in place, so no context is copied; :func:`paged_decode_attention` gathers whole contexts
+    and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
+    Arguments and result as :func:`paged_decode_attention` (float32 or bfloat16; rows of
+    ``block_tables`` contiguous; each ``context_len >= 1``).
+    """
+    ops = cpu_ops.load() if q.device.type == "cpu" else None
+    if ops is None:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                      scale).to(q.dtype)
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     meta: AttentionMetadata, *, scale: float,
@@ -224,12 +247,15 @@ def paged_attention(
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.zeros_like(q)
     num_decodes = meta.num_decodes
     assert meta.query_start_loc[num_decodes] == num_decodes, "decodes must come first"
+    if num_decodes == q.shape[0] and num_decodes > 0:  # a pure decode step, no padding
+        return decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                meta.context_lens_tensor, scale=scale)
+    out = torch.zeros_like(q)
     if num_decodes > 0:
         # Decodes come first, so their tokens are q[:num_decodes].
-        out[:num_decodes] = paged_decode_attention(
+        out[:num_decodes] = decode_attention(
             q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
             meta.context_lens_tensor[:num_decodes], scale=scale,
         )
