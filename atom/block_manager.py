@@ -149,21 +149,34 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
-        parent: int | None = None
         parent_block: tuple[int, int] | None = None
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = hash_block(parent, tokens)
-            block_id = self.hash_to_block.get(parent)
+        for i, block_hash in enumerate(self.block_hashes(seq, max_blocks)):
+            block_id = self.hash_to_block.get(block_hash)
             if block_id is None:
                 break
             block = self.blocks[block_id]
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             if block.token_ids != tokens or block.parent != parent_block:
                 break
             hits.append(block_id)
             parent_block = (block_id, block.generation)
         return hits
+
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of ``seq``'s first ``num_blocks`` full blocks (the ones in
+        ``seq.block_hashes`` plus any not hashed yet, which are appended there).
+
+        A full block's tokens never change (tokens are only appended), so each hash is computed
+        once per sequence rather than on every admission attempt: a waiting prompt is looked up
+        every tick while it does not fit.
+        """
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
 
     def admission_cost(self, seq: Sequence, claims: DryRunClaims | None = None) -> tuple[int, int]:
         """(free blocks needed, cached tokens) to give ``seq`` blocks for all its tokens.
@@ -265,9 +278,10 @@ class BlockManager:
         # and tokens match its hashes (blocks another sequence published first are skipped)
         runs: list[BlockStored] = []
         last_stored = None
+        hashes = self.block_hashes(seq, num_full)
         for i in range(num_hashed, num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash_block(parent, tokens)
+            block_hash = hashes[i]
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash, block.token_ids, block.parent = block_hash, tokens, link

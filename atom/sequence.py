@@ -59,6 +59,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # chained prefix-cache hashes of the leading full blocks of token_ids, filled lazily by the
+    # block manager (which owns them, like block_table); valid for life: full blocks never change
+    block_hashes: list[int] = field(default_factory=list)
     # number of prompt tokens whose KV came from the prefix cache at the last admission
     num_cached_tokens: int = 0
     num_preemptions: int = 0
