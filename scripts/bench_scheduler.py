@@ -1,0 +1,157 @@
+"""Scheduler + postprocess overhead per running sequence per step (issue 7).
+
+Drives the real :class:`~atom.scheduler.Scheduler` and :class:`~atom.block_manager.BlockManager`
+with a fake model step (the "sampled" token is a constant, nothing is computed) at
+``--num-seqs`` running sequences (default 256, all decoding, W1-like prompts of 112-144 tokens),
+with ``--num-waiting`` more requests queued behind them that cannot be admitted (the running
+batch is full), as under overload. Timed per step: ``schedule()``, ``postprocess()``, and the
+model runner's host-side batch preparation (``ModelRunner._prepare``: token ids, positions,
+slots, block tables as tensors) — the per-step Python work outside the forward pass.
+
+Then, in the same run, it times one real batch-``--num-seqs`` decode step of the embedded model
+(``ModelRunner.execute_model`` + sampler, contexts of about 200 tokens) and reports the overhead
+as a percentage of it. The issue's bar: scheduler + postprocess <= 5 % of that step.
+
+    .venv/bin/python scripts/bench_scheduler.py [--num-seqs 256] [--steps 200] [--dtype auto]
+
+Prints a table and writes ``results/bench_scheduler.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import statistics
+import time
+
+from bench_common import write_json_report
+
+_FAKE_TOKEN = 1000
+
+
+def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_model_len: int,
+                   num_blocks: int):
+    """A scheduler with ``num_seqs`` W1-like sequences already prefilled and decoding."""
+    from atom.block_manager import BlockManager
+    from atom.sampling_params import SamplingParams
+    from atom.scheduler import Scheduler, SchedulerConfig
+    from atom.sequence import Sequence
+
+    rng = random.Random(0)
+    config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
+                             max_model_len=max_model_len)
+    scheduler = Scheduler(config, BlockManager(num_blocks, block_size), eos_token_ids=(2,))
+    params = SamplingParams(temperature=0.0, max_tokens=max_model_len, ignore_eos=True)
+    for i in range(num_seqs + num_waiting):
+        prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(112, 144))]
+        scheduler.add(Sequence(f"r{i}", prompt, params))
+    # Prefill until every admitted sequence decodes (fake tokens, no model).
+    while any(seq.is_prefill for seq in scheduler.running) or not scheduler.running:
+        out = scheduler.schedule()
+        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq, n in out.scheduled
+                                    if seq.num_computed_tokens + n == len(seq.token_ids)})
+    return scheduler
+
+
+def time_overhead(scheduler, runner, num_steps: int) -> dict[str, list[float]]:
+    """Per-step seconds of schedule / postprocess / host batch prep over ``num_steps`` decode steps."""
+    times: dict[str, list[float]] = {"schedule": [], "postprocess": [], "prepare": []}
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner._prepare(out.scheduled, 0)
+        t2 = time.perf_counter()
+        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq, _ in out.scheduled})
+        t3 = time.perf_counter()
+        times["schedule"].append(t1 - t0)
+        times["prepare"].append(t2 - t1)
+        times["postprocess"].append(t3 - t2)
+    return times
+
+
+def time_real_step(runner, sampler, scheduler, num_steps: int) -> list[float]:
+    """Seconds of real decode steps (forward + sampling) on the scheduler's running batch."""
+    times = []
+    for _ in range(num_steps + 1):
+        out = scheduler.schedule()
+        t0 = time.perf_counter()
+        model_out = runner.execute_model(out.scheduled)
+        by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
+        sampled = sampler(model_out.logits, [by_id[i] for i in model_out.sampled_seq_ids])
+        times.append(time.perf_counter() - t0)
+        scheduler.postprocess(out, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
+    return times[1:]  # the first step warms up
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-seqs", type=int, default=256, help="running sequences (default 256)")
+    parser.add_argument("--num-waiting", type=int, default=64,
+                        help="requests queued behind the full batch (default 64)")
+    parser.add_argument("--steps", type=int, default=200, help="fake decode steps timed (default 200)")
+    parser.add_argument("--real-steps", type=int, default=5, help="real decode steps timed (default 5)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--output-json", type=pathlib.Path,
+                        default=pathlib.Path("results/bench_scheduler.json"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from atom.config import EngineConfig
+    from atom.model_loader import load_model_weights
+    from atom.model_runner import ModelRunner
+    from atom.sampler import Sampler
+
+    config = EngineConfig(dtype=args.dtype, num_threads=args.num_threads)
+    torch.set_num_threads(config.resolved_num_threads())
+    dtype = getattr(torch, config.resolved_dtype())
+    block_size, max_model_len = 16, 1024
+    num_blocks = (args.num_seqs + args.num_waiting) * (144 + args.steps + 64) // block_size + 64
+    arch, weights = load_model_weights(None, dtype)
+    runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
+                         block_size=block_size, max_model_len=max_model_len)
+    scheduler = make_scheduler(args.num_seqs, args.num_waiting, block_size=block_size,
+                               max_model_len=max_model_len, num_blocks=num_blocks)
+    if scheduler.num_running != args.num_seqs:
+        raise SystemExit(f"only {scheduler.num_running} sequences running; raise the pool")
+    overhead = time_overhead(scheduler, runner, args.steps)
+    real = time_real_step(runner, Sampler((2,)), scheduler, args.real_steps)
+
+    def us_per_seq(values: list[float]) -> float:
+        return statistics.median(values) / args.num_seqs * 1e6
+
+    step_ms = statistics.median(real) * 1e3
+    sched_post_us = us_per_seq(overhead["schedule"]) + us_per_seq(overhead["postprocess"])
+    report = {
+        "num_seqs": args.num_seqs, "num_waiting": args.num_waiting, "dtype": str(dtype),
+        "num_threads": torch.get_num_threads(),
+        "us_per_seq_step": {k: us_per_seq(v) for k, v in overhead.items()},
+        "scheduler_plus_postprocess_us_per_seq_step": sched_post_us,
+        "real_decode_step_ms": step_ms,
+        "real_decode_step_us_per_seq": step_ms * 1e3 / args.num_seqs,
+        "scheduler_plus_postprocess_pct_of_step": 100 * sched_post_us * args.num_seqs / 1e3 / step_ms,
+        "host_prepare_pct_of_step": 100 * us_per_seq(overhead["prepare"]) * args.num_seqs / 1e3
+                                    / step_ms,
+    }
+    print(f"{args.num_seqs} running decodes (+{args.num_waiting} waiting), {report['dtype']}, "
+          f"{report['num_threads']} threads; medians over {args.steps} fake / {args.real_steps} "
+          f"real steps")
+    print(f"{'part':<34}{'us/seq/step':>12}{'ms/step':>10}")
+    for name, values in overhead.items():
+        print(f"{name:<34}{us_per_seq(values):>12.2f}{statistics.median(values) * 1e3:>10.2f}")
+    print(f"{'schedule + postprocess':<34}{sched_post_us:>12.2f}"
+          f"{sched_post_us * args.num_seqs / 1e3:>10.2f}")
+    print(f"{'real decode step (forward+sample)':<34}{report['real_decode_step_us_per_seq']:>12.2f}"
+          f"{step_ms:>10.2f}")
+    print(f"schedule + postprocess = {report['scheduler_plus_postprocess_pct_of_step']:.2f} % of "
+          f"a real batch-{args.num_seqs} decode step (host batch prep: "
+          f"{report['host_prepare_pct_of_step']:.2f} %)")
+    write_json_report(args.output_json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
