@@ -60,6 +60,13 @@ class EngineConfig:
     """Most consecutive ticks a prefill hold may last before prefills are allowed."""
     prefill_delayer_kv_low_watermark: float | None = None
     """KV usage fraction in (0, 1): a ready rank below it releases a hold; None = off."""
+    enable_expert_parallel: bool = False
+    """Shard the experts of MoE layers across the DP ranks (tokens travel to the ranks owning
+    their experts and back inside every forward); needs an MoE model."""
+    moe_split_experts: int | None = None
+    """Split every dense MLP into this many experts along the intermediate dimension, each
+    token routed to all of them with gate 1 (the dense model's function, as an MoE: DESIGN.md's
+    checkable model (a))."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -83,6 +90,8 @@ class EngineConfig:
         if self.prefill_delayer_max_delay_passes < 1:
             raise ValueError(f"prefill_delayer_max_delay_passes="
                              f"{self.prefill_delayer_max_delay_passes} must be >= 1")
+        if self.moe_split_experts is not None and self.moe_split_experts < 1:
+            raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         wm = self.prefill_delayer_kv_low_watermark
         if wm is not None and not 0.0 < wm < 1.0:
             raise ValueError(f"prefill_delayer_kv_low_watermark={wm} must be a fraction in (0, 1) "

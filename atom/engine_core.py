@@ -103,6 +103,13 @@ class EngineCore:
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
         self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=max_model_len)
+        if config.moe_split_experts is not None:
+            from atom.models.moe import split_mlps_into_experts
+
+            split_mlps_into_experts(self.runner.model, config.moe_split_experts)
+        if config.enable_expert_parallel and not self.is_moe:
+            raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
+                             "Mixtral folder) or split a dense one with --moe-split-experts E")
         eos = tuple(sorted(set(arch.eos_token_ids) | set(extra_eos_token_ids)))
         self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                      vocab_size=arch.vocab_size, eos_token_ids=eos,
@@ -125,6 +132,13 @@ class EngineCore:
         logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
                     "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
                     num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has MoE layers (their experts can be sharded across DP ranks)."""
+        from atom.models.moe import moe_layers
+
+        return bool(moe_layers(self.runner.model))
 
     # ----- inputs -----
 

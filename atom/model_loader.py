@@ -39,7 +39,7 @@ from atom.embedded_model import cache_dir, ensure_embedded_gguf
 logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT_VERSION = "1"
-_SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
+_SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 # GGUF tensor name (per block: "blk.N.<key>") -> Hugging Face parameter name.
@@ -320,6 +320,8 @@ def arch_config_from_hf(config: dict, generation_config: dict | None = None) -> 
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos),
+        num_experts=config.get("num_local_experts"),
+        num_experts_per_tok=config.get("num_experts_per_tok"),
     )
 
 

@@ -86,13 +86,16 @@ class DPEngineCoreProc(EngineCoreProc):
         front_end: the front end, when this rank started it as its child (rank 0 under a
             launcher). Otherwise the front end is this process's parent (spawned ranks) or
             elsewhere (other launched ranks), and the parent's exit ends the loop.
+        expert_parallel: the model's :class:`~atom.dp.expert_parallel.ExpertParallel`, told
+            each step's largest batch after the batch-shape exchange; None without EP.
     """
 
     def __init__(self, core, delayer, groups, *, input_addr: str, output_addr: str,
-                 front_end: subprocess.Popen | None = None):
+                 front_end: subprocess.Popen | None = None, expert_parallel=None):
         super().__init__(core, input_addr=input_addr, output_addr=output_addr,
                          dp_rank=groups.rank_info.dp_rank)
         self.front_end = front_end
+        self.expert_parallel = expert_parallel
         self.delayer = delayer
         self.groups = groups
         self.wave_id = 0
@@ -217,6 +220,8 @@ class DPEngineCoreProc(EngineCoreProc):
             num_tokens=sched.num_batched_tokens, num_seqs=len(sched.scheduled),
             is_dummy=is_dummy, tbo_eligible=False, has_prefill=sched.num_prefill_seqs > 0),
             self.groups.device)
+        if self.expert_parallel is not None:
+            self.expert_parallel.begin_step(shapes.max_num_tokens)
         self.num_steps += 1
         self.num_prefill_steps += shapes.any_prefill
         self.num_mixed_prefill_steps += shapes.mixed_prefill
@@ -280,9 +285,16 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
     proc = None
     groups = init_process_groups(info, timeout_s=_group_timeout_s(), store=store)
     try:
+        expert_parallel = None
+        if config.enable_expert_parallel:
+            from atom.dp.expert_parallel import apply_expert_parallel
+
+            expert_parallel = apply_expert_parallel(core.runner.model, groups.device,
+                                                    rank=info.dp_rank, world_size=info.dp_size)
         input_addr, output_addr = endpoints(groups)
         proc = DPEngineCoreProc(core, delayer, groups, input_addr=input_addr,
-                                output_addr=output_addr, front_end=front_end)
+                                output_addr=output_addr, front_end=front_end,
+                                expert_parallel=expert_parallel)
         proc.send_ready()
         proc.run_busy_loop()
     finally:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from atom.models.llama import LlamaForCausalLM
 
 #: architecture name -> model class with ``from_state_dict``, ``bind_kv_caches``, ``forward``
-#: and ``compute_logits``. Add MoE variants here.
+#: and ``compute_logits``.
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,  # Llama with MoE MLPs (ModelArchConfig.num_experts)
 }
 
 

@@ -2,7 +2,8 @@
 
 Covers Llama / SmolLM2 / Mistral-without-sliding-window: RMSNorm, rotary embeddings (Hugging
 Face ``rotate_half`` convention, so GGUF q/k rows must be un-permuted at load), grouped-query
-attention, SiLU-gated MLP, optionally tied input/output embeddings.
+attention, SiLU-gated MLP, optionally tied input/output embeddings; and Mixtral, the same
+decoder with a top-k mixture of experts (:class:`atom.models.moe.MoE`) in place of the MLP.
 
 The forward takes the flattened tokens of a mixed batch (prefill chunks and decodes): no batch
 dimension, no padding. Attention goes through :mod:`atom.kernels.attention`.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels.attention import AttentionMetadata, paged_attention
+from atom.models.moe import MoE
 
 if TYPE_CHECKING:
     from atom.model_loader import ModelArchConfig
@@ -115,7 +117,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if not config.num_experts else MoE(
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_experts=config.num_experts, top_k=config.num_experts_per_tok)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -164,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(model.named_parameters())
         for name, tensor in _fused_hf_weights(config, state_dict).items():
             if name not in params:
-                raise ValueError(f"unexpected weight {name!r} for a Llama model")
+                raise ValueError(f"unexpected weight {name!r} for a {config.architecture} model")
             if params[name].shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies "
@@ -218,11 +222,21 @@ def _fused_hf_weights(
         p = f"model.layers.{i}."
         try:
             qkv = [sd.pop(f"{p}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-            gate_up = [sd.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            if config.num_experts:  # Mixtral checkpoints: w1 = gate, w3 = up, w2 = down
+                moe = f"{p}block_sparse_moe."
+                experts = range(config.num_experts)
+                out[f"layers.{i}.mlp.router.weight"] = sd.pop(f"{moe}gate.weight")
+                out[f"layers.{i}.mlp.gate_up_proj"] = torch.stack([torch.cat(
+                    [sd.pop(f"{moe}experts.{e}.w1.weight"), sd.pop(f"{moe}experts.{e}.w3.weight")])
+                    for e in experts])
+                out[f"layers.{i}.mlp.down_proj"] = torch.stack(
+                    [sd.pop(f"{moe}experts.{e}.w2.weight") for e in experts])
+            else:
+                gate_up = [sd.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+                out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(gate_up, dim=0)
         except KeyError as exc:
             raise ValueError(f"missing weight {exc.args[0]!r}") from None
         out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(qkv, dim=0)
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(gate_up, dim=0)
     for name, tensor in sd.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some old checkpoints carry; we compute our own

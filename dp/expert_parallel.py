@@ -1,0 +1,133 @@
+"""Expert parallelism (EP) across the DP ranks, applied to a single-device model from outside.
+
+:func:`apply_expert_parallel` keeps a contiguous slice of every MoE layer's experts on each rank
+(rank r of W owns experts ``[r*E//W, (r+1)*E//W)``) and installs an :class:`ExpertParallel`
+dispatcher in each :class:`~atom.models.moe.MoE` layer. The model file knows nothing of it.
+
+Per MoE layer and step, on the device group:
+
+1. **dispatch** — all-gather every rank's tokens, each rank's padded to ``M``, the largest
+   token count of the step (from the batch-shape exchange): ``[T, hidden]`` → ``[W*M, hidden]``;
+2. every rank routes all ``W*M`` tokens (the router is a tiny ``[E, hidden]`` GEMM, so computing
+   it redundantly is cheaper than shipping its output) and runs its local experts on the tokens
+   that chose them;
+3. **combine** — reduce-scatter (sum) the ``[W*M, hidden]`` partial outputs: each rank gets its
+   own ``M`` rows, summed over every rank's experts, and keeps the first ``T``.
+
+A rank with nothing to run (a dummy batch, ``T = 0``) still takes part with ``M`` zero rows,
+so every rank issues the same two collectives per MoE layer, of the same size. When every rank's
+batch is empty (``M = 0``) no rank issues them — the same decision everywhere, since ``M`` is a
+gathered value.
+
+Why all-gather + reduce-scatter rather than all-to-all (DeepEP-style): the sizes are fixed by
+one number every rank already has (``M``), so no per-layer exchange of split sizes and no token
+permutation; the cost is ``W×`` the activation traffic of an all-to-all with top-k routing,
+irrelevant at the DP sizes of one CPU host (this module is where an all-to-all would go for
+large GPU deployments; :func:`atom.dp.collectives.all_to_all_single` already supports uneven
+splits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from atom.dp.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from atom.models.moe import MoE, moe_layers
+
+
+class ExpertParallel:
+    """The per-step state and collectives shared by every MoE layer of one rank's model.
+
+    Args:
+        group: the device group (one member per DP rank).
+        rank, world_size: this rank in ``group`` and its size.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, rank: int, world_size: int):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.max_num_tokens: int | None = None  # M of the current step; set by begin_step
+        self._num_tokens: list[int] = []  # T of the micro-batches dispatched and not combined
+
+    def begin_step(self, max_num_tokens: int) -> None:
+        """Set ``M``, the largest token count of this step over all ranks (every rank passes
+        the same value, from the batch-shape exchange).
+
+        Raises:
+            ValueError: ``max_num_tokens`` is negative.
+        """
+        if max_num_tokens < 0:
+            raise ValueError(f"max_num_tokens={max_num_tokens} must be >= 0")
+        self.max_num_tokens = max_num_tokens
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]`` (``T <= M``) → every rank's tokens ``[W*M, hidden]``.
+
+        Raises:
+            RuntimeError: no :meth:`begin_step` for this step, or ``T > M``.
+        """
+        m = self._step_max(x.shape[0])
+        self._num_tokens.append(x.shape[0])
+        if m == 0:
+            return x
+        shard = x.new_zeros(m, x.shape[1])
+        shard[:x.shape[0]] = x
+        out = x.new_empty(self.world_size * m, x.shape[1])
+        all_gather_into_tensor(out, shard, self.group)
+        return out
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """``[W*M, hidden]`` partial outputs of the local experts → this rank's ``[T, hidden]``
+        outputs summed over all ranks' experts."""
+        num_tokens = self._num_tokens.pop(0)
+        m = self._step_max(num_tokens)
+        if m == 0:
+            return partial
+        out = partial.new_empty(m, partial.shape[1])
+        reduce_scatter_tensor(out, partial.contiguous(), self.group)
+        return out[:num_tokens]
+
+    def _step_max(self, num_tokens: int) -> int:
+        m = self.max_num_tokens
+        if m is None:
+            raise RuntimeError("expert parallel: begin_step() was not called for this step "
+                               "(the DP loop calls it after the batch-shape exchange)")
+        if num_tokens > m:
+            raise RuntimeError(f"expert parallel: {num_tokens} tokens on this rank but the "
+                               f"step's agreed maximum is {m}")
+        return m
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The experts ``[start, end)`` rank ``rank`` owns: contiguous, sizes differing by ≤ 1.
+
+    Raises:
+        ValueError: fewer experts than ranks (a rank would own none).
+    """
+    if num_experts < world_size:
+        raise ValueError(f"{num_experts} experts cannot be sharded over {world_size} ranks: "
+                         f"need at least one expert per rank")
+    return rank * num_experts // world_size, (rank + 1) * num_experts // world_size
+
+
+def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup, *, rank: int,
+                          world_size: int) -> ExpertParallel:
+    """Shard every MoE layer of ``model`` over ``group`` and route its tokens through it.
+
+    Returns the :class:`ExpertParallel` whose :meth:`~ExpertParallel.begin_step` the DP loop
+    calls every step.
+
+    Raises:
+        ValueError: the model has no MoE layers, or fewer experts than ranks.
+    """
+    layers: list[MoE] = moe_layers(model)
+    if not layers:
+        raise ValueError("expert parallelism needs an MoE model")
+    ep = ExpertParallel(group, rank=rank, world_size=world_size)
+    for layer in layers:
+        start, end = expert_range(layer.num_experts, rank, world_size)
+        layer.shard_experts(start, end)
+        layer.dispatcher = ep
+    return ep

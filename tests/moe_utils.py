@@ -1,0 +1,45 @@
+"""The tiny random Mixtral (DESIGN.md's checkable model (b)) shared by the MoE tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tests.utils import GreedyResult
+
+LOGPROB_TOLERANCE = 1e-3  # |ours - transformers| for the logprob of each agreed greedy token
+
+
+def build_tiny_mixtral(folder):
+    """A top-2-of-8 Mixtral built by transformers, fp32, saved to ``folder``; returns the model.
+
+    Initialised with a large scale so both the LM head's logits and the routers' scores are
+    peaked: a random tiny model otherwise has near-ties that rounding noise flips.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                           initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1,
+                           eos_token_id=2)
+    model = MixtralForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def tiny_prompts(num: int = 6) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 60))] for _ in range(num)]
+
+
+def assert_logprobs_close(ours: list[GreedyResult], ref: list[GreedyResult]) -> None:
+    """Each greedy token both sides agree on has the same logprob within LOGPROB_TOLERANCE."""
+    for a, b in zip(ours, ref):
+        for pos, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            if ta != tb:
+                break
+            assert abs(a.top_logprobs[pos][ta] - b.top_logprobs[pos][tb]) < LOGPROB_TOLERANCE, (
+                pos, a.top_logprobs[pos], b.top_logprobs[pos])
