@@ -63,6 +63,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     """Shard the experts of MoE layers across the DP ranks (tokens travel to the ranks owning
     their experts and back inside every forward); needs an MoE model."""
+    enable_tbo: bool = False
+    """Two-batch overlap: run prefill steps as two micro-batches whose MoE collectives overlap
+    the other's compute (across DP ranks, only on steps where every rank can split)."""
     moe_split_experts: int | None = None
     """Split every dense MLP into this many experts along the intermediate dimension, each
     token routed to all of them with gate 1 (the dense model's function, as an MoE: DESIGN.md's

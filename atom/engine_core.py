@@ -220,31 +220,42 @@ class EngineCore:
 
     def step(self) -> list[SeqOutput]:
         """Run one tick: schedule → forward → sample → postprocess. Returns what changed (see
-        the module docstring); rejected requests' finishes come first."""
-        return self.execute(self.schedule())
+        the module docstring); rejected requests' finishes come first. With ``enable_tbo``, a
+        batch :func:`atom.tbo.can_split` allows runs as two micro-batches."""
+        sched = self.schedule()
+        return self.execute(sched, two_batch_overlap=self.tbo_eligible(sched))
+
+    def tbo_eligible(self, sched: SchedulerOutput) -> bool:
+        """Whether ``enable_tbo`` is on and this batch can run as two micro-batches (the DP
+        loop splits only when every rank's answer is yes)."""
+        from atom.tbo import can_split
+
+        return self.config.enable_tbo and can_split(sched.scheduled)
 
     def schedule(self) -> SchedulerOutput:
         """The first half of :meth:`step`: pick this tick's batch (consults the prefill gate).
         The DP loop exchanges the batch shape between :meth:`schedule` and :meth:`execute`."""
         return self.scheduler.schedule()
 
-    def execute(self, sched: SchedulerOutput) -> list[SeqOutput]:
-        """The second half of :meth:`step`: forward, sample, postprocess ``sched`` (from
-        :meth:`schedule` of this tick). An empty ``sched`` runs no forward here (the DP loop
-        runs its dummy batch itself) but still reports finishes decided outside a forward."""
+    def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
+                ) -> list[SeqOutput]:
+        """The second half of :meth:`step`: forward (as two micro-batches with
+        ``two_batch_overlap``), sample, postprocess ``sched`` (from :meth:`schedule` of this
+        tick). An empty ``sched`` runs no forward here (the DP loop runs its dummy batch itself)
+        but still reports finishes decided outside a forward."""
         outputs, self._pending = self._pending, []
         for seq in sched.preempted:
             if seq.is_finished:  # cut: the pool cannot hold this sequence even alone
                 outputs.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))
                 self._forget_if_done(seq.request_id)
         if not sched.is_empty:
-            outputs += self._execute(sched)
+            outputs += self._execute(sched, two_batch_overlap)
         # KV events are not published yet (no subscriber): drop them so they do not pile up.
         self.block_manager.take_events()
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> list[SeqOutput]:
-        model_out = self.runner.execute_model(sched.scheduled)
+    def _execute(self, sched: SchedulerOutput, two_batch_overlap: bool) -> list[SeqOutput]:
+        model_out = self.runner.execute_model(sched.scheduled, two_batch_overlap=two_batch_overlap)
         by_id = {seq.seq_id: seq for seq, _ in sched.scheduled}
         sampled_seqs = [by_id[i] for i in model_out.sampled_seq_ids]
         self._record_prompt_logprobs(model_out.prompt_logits, by_id)

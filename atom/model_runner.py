@@ -112,7 +112,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, scheduled: list[tuple[Sequence, int]], *, num_padding_tokens: int = 0
+        self, scheduled: list[tuple[Sequence, int]], *, num_padding_tokens: int = 0,
+        two_batch_overlap: bool = False,
     ) -> ModelOutput:
         """Run one step.
 
@@ -123,20 +124,43 @@ class ModelRunner:
                 issues the same per-layer work and collectives as a real one.
             num_padding_tokens: extra tokens appended after the real ones that write no KV and
                 whose outputs are dropped (padding to a token count agreed across ranks).
+            two_batch_overlap: run the step as two micro-batches (:func:`atom.tbo.split_batch`)
+                whose MoE collectives overlap each other's compute (:mod:`atom.tbo`); the
+                outputs are the same. Every DP rank must pass the same value.
         Returns:
             :class:`ModelOutput`.
         Raises:
             ValueError: an entry that does not fit (no new tokens, past the sequence's end or
-                ``max_model_len``, a block table too short for its slots).
+                ``max_model_len``, a block table too short for its slots), or a batch that
+                cannot be split (:func:`atom.tbo.can_split`).
         """
-        batch = self._prepare(scheduled, num_padding_tokens)
+        if two_batch_overlap:
+            return self._execute_two_micro_batches(scheduled)
+        batch = self._prepare([(seq, 0, n) for seq, n in scheduled], num_padding_tokens)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        prompt_logits = {seq_id: self.model.compute_logits(hidden[start:end])
-                         for seq_id, (start, end) in batch.prompt_rows.items()}
-        return ModelOutput(logits=logits, sampled_seq_ids=batch.sampled_seq_ids,
-                           prompt_logits=prompt_logits)
+        return self._outputs([(batch, hidden)])
+
+    def _execute_two_micro_batches(self, scheduled: list[tuple[Sequence, int]]) -> ModelOutput:
+        from atom.tbo import MicroBatch, forward_micro_batches, split_batch
+
+        batches = [self._prepare(half, 0) for half in split_batch(scheduled)]
+        micro_batches = [MicroBatch(b.input_ids, b.positions, b.attn_metadata) for b in batches]
+        forward_micro_batches(self.model, micro_batches)
+        return self._outputs([(b, mb.hidden) for b, mb in zip(batches, micro_batches)])
+
+    def _outputs(self, parts: list[tuple[_Batch, torch.Tensor]]) -> ModelOutput:
+        """Logits of the sampled rows (and prompt rows) of each (batch, hidden) part, in order."""
+        logits, sampled, prompt_logits = [], [], {}
+        for batch, hidden in parts:
+            rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
+            logits.append(self.model.compute_logits(hidden.index_select(0, rows)))
+            sampled += batch.sampled_seq_ids
+            for seq_id, (start, end) in batch.prompt_rows.items():
+                part = self.model.compute_logits(hidden[start:end])
+                earlier = prompt_logits.get(seq_id)  # a request split across micro-batches
+                prompt_logits[seq_id] = part if earlier is None else torch.cat([earlier, part])
+        return ModelOutput(logits=logits[0] if len(logits) == 1 else torch.cat(logits),
+                           sampled_seq_ids=sampled, prompt_logits=prompt_logits)
 
     def _check_entry(self, seq: Sequence, num_new_tokens: int) -> None:
         end = seq.num_computed_tokens + num_new_tokens
@@ -152,12 +176,16 @@ class ModelRunner:
                 f"seq {seq.seq_id}: block table of {len(seq.block_table)} blocks cannot hold "
                 f"{end} tokens (block size {self.block_size}); allocate blocks before the step")
 
-    def _prepare(self, scheduled: list[tuple[Sequence, int]], num_padding_tokens: int) -> _Batch:
-        """Flatten the step: token ids, positions, slots, block tables, output rows."""
-        for seq, num_new_tokens in scheduled:
-            self._check_entry(seq, num_new_tokens)
+    def _prepare(self, entries: list[tuple[Sequence, int, int]], num_padding_tokens: int) -> _Batch:
+        """Flatten the step: token ids, positions, slots, block tables, output rows.
+
+        ``entries``: ``(seq, offset, num_new_tokens)``, computing the tokens from
+        ``seq.num_computed_tokens + offset`` (offset > 0: the second part of a request split
+        across micro-batches)."""
+        for seq, offset, num_new_tokens in entries:
+            self._check_entry(seq, offset + num_new_tokens)
         # Stable partition: one-token entries first (batched decode attention), then the rest.
-        order = ([e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] != 1])
+        order = ([e for e in entries if e[2] == 1] + [e for e in entries if e[2] != 1])
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -167,8 +195,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         last_row: dict[int, int] = {}
         prompt_rows: dict[int, tuple[int, int]] = {}
-        for seq, num_new_tokens in order:
-            start = seq.num_computed_tokens
+        for seq, skip, num_new_tokens in order:
+            start = seq.num_computed_tokens + skip
             end = start + num_new_tokens
             offset = len(input_ids)
             table = seq.block_table
@@ -198,11 +226,11 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             context_lens=context_lens,
             block_tables=as_tensor(padded, (len(padded), max_blocks)),
-            num_decodes=sum(1 for _, n in order if n == 1),
+            num_decodes=sum(1 for _, _, n in order if n == 1),
             context_lens_tensor=as_tensor(context_lens),
         )
-        sampled = [seq.seq_id for seq, n in scheduled
-                   if seq.num_computed_tokens + n == len(seq.token_ids)]
+        sampled = [seq.seq_id for seq, skip, n in entries
+                   if seq.num_computed_tokens + skip + n == len(seq.token_ids)]
         return _Batch(
             input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
             sample_rows=[last_row[s] for s in sampled], sampled_seq_ids=sampled,

@@ -88,7 +88,8 @@ logger = logging.getLogger(__name__)
 _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "collective_hash",
                          "idle", "num_total_blocks", "prefill_delayer_hold_rate",
                          "prefill_delayer_max_consecutive_holds", "num_waves_completed",
-                         "num_steps", "num_prefill_steps", "num_mixed_prefill_steps"))
+                         "num_steps", "num_prefill_steps", "num_mixed_prefill_steps",
+                         "num_tbo_steps"))
 
 
 def _free_port() -> int:

@@ -106,6 +106,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.num_steps = 0  # forward steps of the group (identical on every rank)
         self.num_prefill_steps = 0  # ... where some rank prefills
         self.num_mixed_prefill_steps = 0  # ... where some rank prefills and another does not
+        self.num_tbo_steps = 0  # ... run as two micro-batches (every rank could split)
         self.num_waves_completed = 0
 
     # ----- inputs -----
@@ -146,6 +147,7 @@ class DPEngineCoreProc(EngineCoreProc):
             "num_real_steps": self.num_real_steps, "num_steps": self.num_steps,
             "num_prefill_steps": self.num_prefill_steps,
             "num_mixed_prefill_steps": self.num_mixed_prefill_steps,
+            "num_tbo_steps": self.num_tbo_steps,
             "num_waves_completed": self.num_waves_completed,
             "collective_count": log.num_collectives, "collective_hash": log.hash_int64}
         out.update({f"prefill_delayer_{k}": v for k, v in self.delayer.stats().items()})
@@ -218,19 +220,21 @@ class DPEngineCoreProc(EngineCoreProc):
         is_dummy = sched.is_empty
         shapes = exchange_batch_shape(BatchShape(
             num_tokens=sched.num_batched_tokens, num_seqs=len(sched.scheduled),
-            is_dummy=is_dummy, tbo_eligible=False, has_prefill=sched.num_prefill_seqs > 0),
-            self.groups.device)
+            is_dummy=is_dummy, tbo_eligible=core.tbo_eligible(sched),
+            has_prefill=sched.num_prefill_seqs > 0), self.groups.device)
+        tbo = shapes.tbo_agreed
         if self.expert_parallel is not None:
             self.expert_parallel.begin_step(shapes.max_num_tokens)
         self.num_steps += 1
         self.num_prefill_steps += shapes.any_prefill
         self.num_mixed_prefill_steps += shapes.mixed_prefill
-        if is_dummy:
-            core.runner.execute_model([])  # same forward (and collectives) on zero tokens
+        self.num_tbo_steps += tbo
+        if is_dummy:  # same forward (and collectives) on zero tokens
+            core.runner.execute_model([], two_batch_overlap=tbo)
             self.num_dummy_steps += 1
         else:
             self.num_real_steps += 1
-        self.send_outputs(core.execute(sched))
+        self.send_outputs(core.execute(sched, two_batch_overlap=tbo))
         return False
 
     def _end_wave(self) -> None:
@@ -280,7 +284,8 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
     delayer = PrefillDelayer(PrefillDelayerConfig(
         enabled=config.resolved_prefill_delayer(),
         max_delay_passes=config.prefill_delayer_max_delay_passes,
-        kv_low_watermark=config.prefill_delayer_kv_low_watermark), dp_rank=info.dp_rank)
+        kv_low_watermark=config.prefill_delayer_kv_low_watermark,
+        tbo_enabled=config.enable_tbo), dp_rank=info.dp_rank)
     core = EngineCore(config, prefill_gate=delayer, extra_eos_token_ids=extra_eos_token_ids)
     proc = None
     groups = init_process_groups(info, timeout_s=_group_timeout_s(), store=store)

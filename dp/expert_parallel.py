@@ -32,8 +32,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from atom.dp.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from atom.dp.collectives import (
+    CollectiveWork,
+    all_gather_into_tensor_async,
+    reduce_scatter_tensor_async,
+)
 from atom.models.moe import MoE, moe_layers
+
+
+class PendingTokens:
+    """Tokens an async collective is still filling: :meth:`wait` for it, then :meth:`result`."""
+
+    def __init__(self, work: CollectiveWork | None, tokens: torch.Tensor):
+        self._work, self._tokens = work, tokens
+
+    def wait(self) -> None:
+        """Raises CollectiveError when the collective failed."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def result(self) -> torch.Tensor:
+        self.wait()
+        return self._tokens
 
 
 class ExpertParallel:
@@ -68,26 +89,34 @@ class ExpertParallel:
         Raises:
             RuntimeError: no :meth:`begin_step` for this step, or ``T > M``.
         """
-        m = self._step_max(x.shape[0])
-        self._num_tokens.append(x.shape[0])
-        if m == 0:
-            return x
-        shard = x.new_zeros(m, x.shape[1])
-        shard[:x.shape[0]] = x
-        out = x.new_empty(self.world_size * m, x.shape[1])
-        all_gather_into_tensor(out, shard, self.group)
-        return out
+        return self.dispatch_async(x).result()
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """``[W*M, hidden]`` partial outputs of the local experts → this rank's ``[T, hidden]``
         outputs summed over all ranks' experts."""
+        return self.combine_async(partial).result()
+
+    def dispatch_async(self, x: torch.Tensor) -> PendingTokens:
+        """:meth:`dispatch` with the all-gather in flight; ``result()`` waits for it (TBO)."""
+        m = self._step_max(x.shape[0])
+        self._num_tokens.append(x.shape[0])
+        if m == 0:
+            return PendingTokens(None, x)
+        shard = x.new_zeros(m, x.shape[1])
+        shard[:x.shape[0]] = x
+        out = x.new_empty(self.world_size * m, x.shape[1])
+        return PendingTokens(all_gather_into_tensor_async(out, shard, self.group), out)
+
+    def combine_async(self, partial: torch.Tensor) -> PendingTokens:
+        """:meth:`combine` with the reduce-scatter in flight; ``result()`` waits for it (TBO).
+        Micro-batches combine in the order they dispatched."""
         num_tokens = self._num_tokens.pop(0)
         m = self._step_max(num_tokens)
         if m == 0:
-            return partial
+            return PendingTokens(None, partial)
         out = partial.new_empty(m, partial.shape[1])
-        reduce_scatter_tensor(out, partial.contiguous(), self.group)
-        return out[:num_tokens]
+        work = reduce_scatter_tensor_async(out, partial.contiguous(), self.group)
+        return PendingTokens(work, out[:num_tokens])
 
     def _step_max(self, num_tokens: int) -> int:
         m = self.max_num_tokens

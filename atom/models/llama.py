@@ -124,8 +124,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        x, h = self.attention_stage(x, cos, sin, meta)
+        return x + self.mlp(h)
+
+    def attention_stage(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP: returns (the residual stream after attention, the MLP's
+        normalized input), both ``[T, hidden]``. The layer's output is ``x + mlp(h)``; the
+        two-batch-overlap executor (:mod:`atom.tbo`) runs the MLP's stages itself."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.post_attention_layernorm(x)
 
 
 class LlamaForCausalLM(nn.Module):

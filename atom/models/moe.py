@@ -8,7 +8,7 @@ over the k (Mixtral, Mistral AI 2024, arXiv:2401.04088; Qwen-MoE with ``norm_top
 intermediate dimension, every token to all experts, which sums back to the dense MLP).
 
 The forward is four stages, so an executor can interleave them across micro-batches
-(:mod:`atom.tbo`)::
+(:mod:`atom.tbo`, which uses the ``*_async`` forms of dispatch and combine)::
 
     tokens = self.dispatch(x)           # this rank's tokens → every rank's (expert parallel)
     ids, gates = self.route(tokens)     # top-k expert ids and gates per token
@@ -32,6 +32,14 @@ from torch import nn
 GATE_MODES = ("softmax", "unit")
 
 
+class Pending(Protocol):
+    """Tokens an async collective is filling."""
+
+    def wait(self) -> None: ...
+
+    def result(self) -> torch.Tensor: ...
+
+
 class Dispatcher(Protocol):
     """Moves tokens between ranks around the expert computation (expert parallelism)."""
 
@@ -41,6 +49,12 @@ class Dispatcher(Protocol):
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Partial outputs of the local experts for the dispatched tokens → this rank's
         outputs ``[T, hidden]`` summed over every rank's experts."""
+
+    def dispatch_async(self, x: torch.Tensor) -> Pending:
+        """:meth:`dispatch` with its collective left in flight (two-batch overlap)."""
+
+    def combine_async(self, partial: torch.Tensor) -> Pending:
+        """:meth:`combine` with its collective left in flight (two-batch overlap)."""
 
 
 class MoE(nn.Module):

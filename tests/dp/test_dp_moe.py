@@ -4,7 +4,8 @@ Model (a): the embedded SmolLM2 with every MLP split into 4 experts (all routed,
 greedy text equal to the dense model on one rank, including a run where every request is pinned
 to rank 0 (rank 1 steps dummy batches through every MoE collective), with equal collective
 hashes on both ranks after it. Model (b): a tiny random Mixtral (top-2 of 8) — greedy tokens
-and their logprobs equal transformers' with its experts split over the two ranks.
+and their logprobs equal transformers' with its experts split over the two ranks, with and
+without two-batch overlap, after an uneven workload too, with equal collective hashes.
 """
 
 from __future__ import annotations
@@ -56,14 +57,21 @@ def test_split_experts_on_two_ranks_equal_the_dense_model(dense_reference):
         assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
 
 
-def test_tiny_mixtral_experts_over_two_ranks_match_transformers(tmp_path):
+@pytest.mark.parametrize("enable_tbo", [False, True], ids=["unsplit", "tbo"])
+def test_tiny_mixtral_experts_over_two_ranks_match_transformers(tmp_path, enable_tbo):
     model = build_tiny_mixtral(tmp_path)
     prompts = tiny_prompts()
     reference = hf_greedy(model, prompts, 12)
+    requests = [{"prompt_token_ids": p} for p in prompts]
     with LLM(str(tmp_path), **{**OPTIONS, "max_model_len": 256}, skip_tokenizer_init=True,
-             data_parallel_size=2, enable_expert_parallel=True) as llm:
-        ours = ours_greedy(llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS))
+             data_parallel_size=2, enable_expert_parallel=True, enable_tbo=enable_tbo) as llm:
+        # uneven first (everything on rank 0, rank 1 in dummy batches), then spread
+        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
+        spread = ours_greedy(llm.generate(requests, PARAMS))
         stats = _idle_stats(llm)
-    check_greedy_close(ours, reference, name="tiny mixtral, EP over 2 ranks")
-    assert_logprobs_close(ours, reference)
+    for name, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
+        check_greedy_close(ours, reference, name=f"tiny mixtral, EP, {name}, tbo={enable_tbo}")
+        assert_logprobs_close(ours, reference)
     assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
+    assert stats[0]["collective_count"] == stats[1]["collective_count"]
+    assert (stats[0]["num_tbo_steps"] > 0) == enable_tbo
