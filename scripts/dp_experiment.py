@@ -8,8 +8,10 @@ Workload (token-id prompts, seeded, identical for every configuration):
 - *bursts*: ``--num-bursts`` bursts of ``--burst-size`` short prompts, ``--burst-interval-s``
   apart, routed by the DP router (``least_requests``).
 
-Configurations: the delayer off, then on with each ``--max-delay-passes`` value. Each runs the
-same workload on ``--dp-size`` real EngineCore processes. Measured
+Configurations: the delayer off, then on with each ``--max-delay-passes`` value; with
+``--moe-split-experts E`` the model is DESIGN.md's model (a) (the embedded model's MLPs split
+into E experts, sharded over the ranks: every MoE layer exchanges tokens between the ranks), and
+each configuration runs with two-batch overlap off and on. Each runs the same workload on ``--dp-size`` real EngineCore processes. Measured
 (the step counters come from the batch-shape exchange, so every rank counts the same):
 
 - mixed-step fraction: forward steps where some rank prefills and another does not, over all
@@ -22,6 +24,7 @@ Prints a table and writes JSON (``--output-json``). Numbers move with machine lo
 configurations of the same run.
 
     python scripts/dp_experiment.py --output-json results/dp_experiment.json
+    python scripts/dp_experiment.py --moe-split-experts 4 --output-json results/dp_experiment_moe.json
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ def run_config(name: str, config: EngineConfig, workload: list[Arrival]) -> dict
         "num_steps": num_steps,
         "num_prefill_steps": ranks[0]["num_prefill_steps"],
         "num_mixed_prefill_steps": ranks[0]["num_mixed_prefill_steps"],
+        "num_tbo_steps": ranks[0]["num_tbo_steps"],
         "mixed_step_fraction": ranks[0]["num_mixed_prefill_steps"] / max(1, num_steps),
         "dummy_step_fraction": sum(r["num_dummy_steps"] for r in ranks)
         / max(1, num_steps * len(ranks)),
@@ -143,7 +147,7 @@ def _idle_rank_stats(engine, timeout_s: float = 60.0) -> list[dict]:
 def print_table(results: list[dict]) -> None:
     rows = [("configuration", [r["name"] for r in results]),
             ("output tok/s", [f"{r['output_tokens_per_s']:.1f}" for r in results]),
-            ("forward steps", [str(r["num_steps"]) for r in results]),
+            ("forward steps (TBO)", [f"{r['num_steps']} ({r['num_tbo_steps']})" for r in results]),
             ("mixed-step fraction", [f"{r['mixed_step_fraction']:.3f}" for r in results]),
             ("dummy-step fraction", [f"{r['dummy_step_fraction']:.3f}" for r in results]),
             ("hold rate", [f"{r['hold_rate']:.3f}" for r in results]),
@@ -182,6 +186,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-interval-s", type=float, default=1.0)
     p.add_argument("--short-prompt-len", type=int, nargs=2, default=(24, 64))
     p.add_argument("--short-max-tokens", type=int, nargs=2, default=(8, 24))
+    p.add_argument("--moe-split-experts", type=int, default=0,
+                   help="E > 0: the embedded model with every MLP split into E experts (DESIGN.md "
+                        "model (a)), experts sharded over the ranks (expert parallelism), and "
+                        "every configuration run with TBO off and on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default="results/dp_experiment.json")
     return p.parse_args(argv)
@@ -193,9 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(data_parallel_size=args.dp_size, dtype=args.dtype,
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_model_len=1024, enable_prefix_caching=False)
-    configs = [("delayer off", dict(prefill_delayer=False))] + [
+    delayer = [("delayer off", dict(prefill_delayer=False))] + [
         (f"delayer on ({n} passes)", dict(prefill_delayer=True, prefill_delayer_max_delay_passes=n))
         for n in args.max_delay_passes]
+    if args.moe_split_experts:  # model (a) with its experts over the ranks; TBO off and on
+        base.update(moe_split_experts=args.moe_split_experts, enable_expert_parallel=True)
+        configs = [(f"{name}, TBO {'on' if tbo else 'off'}", {**options, "enable_tbo": tbo})
+                   for name, options in delayer for tbo in (False, True)]
+    else:
+        configs = delayer
     results = []
     for name, options in configs:
         config = EngineConfig.from_kwargs(**{**base, **options})
