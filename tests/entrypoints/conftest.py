@@ -38,11 +38,13 @@ class RemoteServer:
         RuntimeError: the process exited or was not healthy within the start-up timeout.
     """
 
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, data_parallel_size: int = 1):
         self.port = _free_port()
+        self.data_parallel_size = data_parallel_size
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [ATOM, "serve", "--port", str(self.port), *_ENGINE_ARGS, *args]
+        cmd = [ATOM, "serve", "--port", str(self.port), *_ENGINE_ARGS,
+               "--data-parallel-size", str(data_parallel_size), *args]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ})
@@ -96,7 +98,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def dp2_server():
-    srv = RemoteServer("--data-parallel-size", "2", api_key=API_KEY)
+    srv = RemoteServer(api_key=API_KEY, data_parallel_size=2)
     yield srv
     assert srv.stop() == 0
 

@@ -4,7 +4,7 @@ Requests follow the OpenAI API reference for ``/v1/completions`` and ``/v1/chat/
 plus vLLM's sampling extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``).
 Unknown fields are ignored (``extra="ignore"``); a known field with a value of the wrong type
-fails validation, which the server turns into a 400 (:mod:`atom.entrypoints.openai.api_server`).
+(or a NaN / infinite float) fails validation, which the server turns into a 400 (:mod:`atom.entrypoints.openai.api_server`).
 Range checks live in one place, :class:`atom.sampling_params.SamplingParams`.
 
 Responses are the shapes the official ``openai`` client parses: ``text_completion``,
@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are not sampling parameters (and would reach the sampler's math)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
