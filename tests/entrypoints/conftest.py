@@ -32,18 +32,20 @@ def _free_port() -> int:
 
 
 class RemoteServer:
-    """``atom serve ARGS`` in a subprocess; ready once ``/health`` answers 200.
+    """``atom serve ARGS`` in a subprocess (``launcher``: e.g. ``("launch", "--nproc-per-node",
+    "2")`` to start it as a launched deployment); ready once ``/health`` answers 200.
 
     Raises:
         RuntimeError: the process exited or was not healthy within the start-up timeout.
     """
 
-    def __init__(self, *args: str, api_key: str | None = None, data_parallel_size: int = 1):
+    def __init__(self, *args: str, api_key: str | None = None, data_parallel_size: int = 1,
+                 launcher: tuple[str, ...] = ()):
         self.port = _free_port()
         self.data_parallel_size = data_parallel_size
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [ATOM, "serve", "--port", str(self.port), *_ENGINE_ARGS,
+        cmd = [ATOM, *launcher, "serve", "--port", str(self.port), *_ENGINE_ARGS,
                "--data-parallel-size", str(data_parallel_size), *args]
         if api_key is not None:
             cmd += ["--api-key", api_key]

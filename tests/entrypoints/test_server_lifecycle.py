@@ -1,4 +1,5 @@
-"""``atom serve`` lifecycle: /health follows the engine core; SIGTERM drains and exits 0."""
+"""``atom serve`` lifecycle: /health follows the engine core; SIGTERM drains and exits 0; the
+server under ``atom launch``."""
 
 from __future__ import annotations
 
@@ -51,3 +52,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     assert chunks[-1].choices[0].finish_reason == "length"
     assert server.proc.wait(60) == 0
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cores)
+
+
+def test_serve_under_atom_launch_uses_every_rank():
+    server = RemoteServer(launcher=("launch", "--nproc-per-node", "2"))
+    processes = psutil.Process(server.proc.pid).children(recursive=True)
+    try:
+        out = server.client().completions.create(model=MODEL, prompt="The capital of France is",
+                                                 max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+        assert server.metric("atom:num_kv_blocks_total") == 2 * 128  # both ranks report
+        assert server.metric("atom:prefill_delayer_decisions_total") > 0
+    finally:
+        server.stop()  # the launcher's exit code on SIGTERM is its own (128 + 15)
+    assert len(processes) >= 3  # two ranks and the front end
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
