@@ -174,9 +174,8 @@ async def _stream_events(first: str, rest: AsyncIterator[str]) -> AsyncIterator[
     try:
         async for event in rest:
             yield event
-    except (APIError, EngineDeadError) as exc:
-        status, body = _error_body(exc)
-        yield sse_json(body)
+    except (APIError, EngineDeadError) as exc:  # the 200 is out: say it in the stream
+        yield sse_json(_error_body(exc)[1])
         yield sse("[DONE]")
 
 
