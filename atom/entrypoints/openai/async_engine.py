@@ -115,6 +115,7 @@ class AsyncEngine:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has no such request: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
