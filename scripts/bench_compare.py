@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -97,6 +96,8 @@ def run_worker(system: str, spec: dict) -> dict:
             "num_requests": len(workload["prompts"]), "elapsed_s": elapsed_s,
             "num_prompt_tokens": sum(len(p) for p in workload["prompts"]),
             "num_output_tokens": num_output, "output_tokens_per_s": num_output / elapsed_s}
+        print(f"[{system}] {name}: {num_output / elapsed_s:.1f} output tok/s ({elapsed_s:.1f} s)",
+              file=sys.stderr, flush=True)  # progress: a full run takes many minutes here
     single = [spec["single_prompt"]]
     first_s = min(_timed(engine, single, [1])[0] for _ in range(spec["single_repeats"]))
     full_s = min(_timed(engine, single, [_SINGLE_OUTPUT_LEN])[0]
@@ -105,12 +106,28 @@ def run_worker(system: str, spec: dict) -> dict:
     results["single"] = {"first_token_s": first_s, "e2e_s": full_s, "decode_ms_per_token": decode_ms,
                          "decode_tokens_per_s": 1e3 / decode_ms,
                          "e2e_tokens_per_s": _SINGLE_OUTPUT_LEN / full_s}
+    print(f"[{system}] single: {decode_ms:.2f} ms/token decode", file=sys.stderr, flush=True)
+    results["peak_rss_bytes"] = _tree_peak_rss_bytes(os.getpid())
     engine.shutdown()
-    kib = 1024  # ru_maxrss is in KiB on Linux
-    results["peak_rss_bytes"] = {
-        "main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
-        "largest_child": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib}
     return results
+
+
+def _tree_peak_rss_bytes(pid: int) -> dict[str, int]:
+    """Peak RSS (``VmHWM``) of ``pid`` and of every live descendant (engine-core and worker
+    processes), and their sum: an upper bound on the engine's simultaneous peak."""
+    peaks: dict[str, int] = {}
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            status = pathlib.Path(f"/proc/{p}/status").read_text()
+            for task in pathlib.Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # exited meanwhile
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        peaks[f"{p} {fields['Name'].strip()}"] = int(fields["VmHWM"].split()[0]) * 1024
+    return {"per_process": peaks, "total": sum(peaks.values())}
 
 
 # ----- the driver (runs in atom's venv) -----
@@ -200,8 +217,8 @@ def format_report(results: list[dict]) -> list[str]:
         lower_is_better=True)
     row("single e2e tok/s (128 after 140)", [r["single"]["e2e_tokens_per_s"] for r in results])
     row("start-up (s)", [r["startup_s"] for r in results], lower_is_better=True)
-    row("peak RSS, engine process (GiB)",
-        [max(r["peak_rss_bytes"].values()) / 2**30 for r in results], lower_is_better=True)
+    row("peak RSS, all processes (GiB)", [r["peak_rss_bytes"]["total"] / 2**30 for r in results],
+        lower_is_better=True)
     return lines
 
 

@@ -9,8 +9,8 @@ model runner's host-side batch preparation (``ModelRunner._prepare``: token ids,
 slots, block tables as tensors) — the per-step Python work outside the forward pass.
 
 Then, in the same run, it times one real batch-``--num-seqs`` decode step of the embedded model
-(``ModelRunner.execute_model`` + sampler, contexts of about 200 tokens) and reports the overhead
-as a percentage of it. The issue's bar: scheduler + postprocess <= 5 % of that step.
+(``ModelRunner.execute_model`` + sampler, contexts of about 200 tokens), split into attention,
+the rest of the model and sampling, and reports the overhead as a percentage of it. The issue's bar: scheduler + postprocess <= 5 % of that step.
 
     .venv/bin/python scripts/bench_scheduler.py [--num-seqs 256] [--steps 200] [--dtype auto]
 
@@ -61,7 +61,7 @@ def time_overhead(scheduler, runner, num_steps: int) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
-        runner._prepare(out.scheduled, 0)
+        runner._prepare([(seq, 0, n) for seq, n in out.scheduled], 0)
         t2 = time.perf_counter()
         scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq, _ in out.scheduled})
         t3 = time.perf_counter()
@@ -71,18 +71,40 @@ def time_overhead(scheduler, runner, num_steps: int) -> dict[str, list[float]]:
     return times
 
 
-def time_real_step(runner, sampler, scheduler, num_steps: int) -> list[float]:
-    """Seconds of real decode steps (forward + sampling) on the scheduler's running batch."""
-    times = []
-    for _ in range(num_steps + 1):
-        out = scheduler.schedule()
-        t0 = time.perf_counter()
-        model_out = runner.execute_model(out.scheduled)
-        by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
-        sampled = sampler(model_out.logits, [by_id[i] for i in model_out.sampled_seq_ids])
-        times.append(time.perf_counter() - t0)
-        scheduler.postprocess(out, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
-    return times[1:]  # the first step warms up
+def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list[float]]:
+    """Per-step seconds of real decode steps on the scheduler's running batch: ``step`` (forward
+    + sampling), and its parts ``attention`` (every layer's paged attention, KV write included),
+    ``forward`` (the whole model, attention included) and ``sampling``."""
+    import atom.models.llama as llama
+
+    attention_s = [0.0]
+    paged_attention = llama.paged_attention
+
+    def timed_attention(*args, **kwargs):
+        t = time.perf_counter()
+        out = paged_attention(*args, **kwargs)
+        attention_s[0] += time.perf_counter() - t
+        return out
+
+    times: dict[str, list[float]] = {"step": [], "forward": [], "attention": [], "sampling": []}
+    llama.paged_attention = timed_attention
+    try:
+        for _ in range(num_steps + 1):
+            out = scheduler.schedule()
+            attention_s[0] = 0.0
+            t0 = time.perf_counter()
+            model_out = runner.execute_model(out.scheduled)
+            t1 = time.perf_counter()
+            by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
+            sampled = sampler(model_out.logits, [by_id[i] for i in model_out.sampled_seq_ids])
+            t2 = time.perf_counter()
+            for name, value in (("step", t2 - t0), ("forward", t1 - t0),
+                                ("attention", attention_s[0]), ("sampling", t2 - t1)):
+                times[name].append(value)
+            scheduler.postprocess(out, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
+    finally:
+        llama.paged_attention = paged_attention
+    return {name: values[1:] for name, values in times.items()}  # the first step warms up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=pathlib.Path("results/bench_scheduler.json"))
     args = parser.parse_args(argv)
 
+    from atom.config import EngineConfig  # before torch: atom sets OMP_WAIT_POLICY
     import torch
 
-    from atom.config import EngineConfig
     from atom.model_loader import load_model_weights
     from atom.model_runner import ModelRunner
     from atom.sampler import Sampler
@@ -123,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     def us_per_seq(values: list[float]) -> float:
         return statistics.median(values) / args.num_seqs * 1e6
 
-    step_ms = statistics.median(real) * 1e3
+    step_ms = statistics.median(real["step"]) * 1e3
     sched_post_us = us_per_seq(overhead["schedule"]) + us_per_seq(overhead["postprocess"])
     report = {
         "num_seqs": args.num_seqs, "num_waiting": args.num_waiting, "dtype": str(dtype),
@@ -131,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "us_per_seq_step": {k: us_per_seq(v) for k, v in overhead.items()},
         "scheduler_plus_postprocess_us_per_seq_step": sched_post_us,
         "real_decode_step_ms": step_ms,
+        "real_decode_step_parts_ms": {k: statistics.median(v) * 1e3 for k, v in real.items()},
         "real_decode_step_us_per_seq": step_ms * 1e3 / args.num_seqs,
         "scheduler_plus_postprocess_pct_of_step": 100 * sched_post_us * args.num_seqs / 1e3 / step_ms,
         "host_prepare_pct_of_step": 100 * us_per_seq(overhead["prepare"]) * args.num_seqs / 1e3
@@ -146,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{sched_post_us * args.num_seqs / 1e3:>10.2f}")
     print(f"{'real decode step (forward+sample)':<34}{report['real_decode_step_us_per_seq']:>12.2f}"
           f"{step_ms:>10.2f}")
+    parts = report["real_decode_step_parts_ms"]
+    print(f"real step: attention {parts['attention']:.1f} ms, rest of the model (linears, norms, "
+          f"rotary, logits) {parts['forward'] - parts['attention']:.1f} ms, sampling "
+          f"{parts['sampling']:.1f} ms")
     print(f"schedule + postprocess = {report['scheduler_plus_postprocess_pct_of_step']:.2f} % of "
           f"a real batch-{args.num_seqs} decode step (host batch prep: "
           f"{report['host_prepare_pct_of_step']:.2f} %)")
