@@ -96,6 +96,13 @@ class ModelRunner:
             for _ in range(arch_config.num_hidden_layers)
         ]
         self.model.bind_kv_caches(self.kv_caches)
+        if self.device.type == "cpu":
+            # Build (first run on this machine: about a minute) or load the compiled attention
+            # kernels now, not inside the first decode step: a DP rank compiling mid-step would
+            # leave its peers waiting in a collective, possibly past the group timeout.
+            from atom.kernels import cpu_ops
+
+            cpu_ops.load()
         logger.info("model runner: %s %s, %d KV blocks x %d tokens (%.1f MiB)",
                     arch_config.architecture, str(dtype).removeprefix("torch."), num_kv_blocks,
                     block_size, num_kv_blocks * self.kv_cache_bytes_per_block(

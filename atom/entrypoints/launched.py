@@ -108,7 +108,7 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
             end with it.
         config: the command's engine options, ``data_parallel_size`` = ``WORLD_SIZE``.
     Returns:
-        The exit code: rank 0 returns the front end's, the others 0.
+        The exit code: rank 0 returns the front end's, the others 0; 0 after SIGTERM.
     Raises:
         RuntimeError: the front end exited before it announced its endpoints, or without
             shutting the ranks down. Start-up and loop errors of the rank itself propagate
@@ -144,8 +144,11 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
 
         run_dp_rank(config, extra_eos_token_ids=extra_eos, endpoints=endpoints,
                     store=worker_store(info, timeout_s=timeout_s), front_end=front_end)
-    except _ShutdownRequested:
+    except _ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
+        if front_end is not None and front_end.poll() is None:
+            front_end.terminate()
+        return 0
     except BaseException:
         if front_end is not None and front_end.poll() is None:
             front_end.kill()
@@ -156,10 +159,11 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
     if front_end is None:
         return 0
     try:
-        return front_end.wait(timeout=30.0)
+        rc = front_end.wait(timeout=30.0)
     except subprocess.TimeoutExpired:
         front_end.kill()
         raise RuntimeError("the front end did not exit within 30 s of the ranks' shutdown")
+    return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's 128 + N
 
 
 def _start_front_end(argv: list[str]):
