@@ -250,15 +250,15 @@ class DPEngineCoreClient:
         if self._closed:
             return
         self._closed = True
-        if self.ranks.is_alive():
-            for sock in self._inputs:
-                try:
-                    sock.setsockopt(zmq.LINGER, int(_SHUTDOWN_GRACE_S * 1000))
-                    sock.send(encode(Shutdown()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+        # to every rank still listening (a dead one's socket just drops it); with linger:
+        # launched ranks have nothing else telling them to stop than this Shutdown
+        for sock in self._inputs:
+            try:
+                sock.setsockopt(zmq.LINGER, int(_SHUTDOWN_GRACE_S * 1000))
+                sock.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         self.ranks.stop()
-        # linger: launched ranks have nothing else telling them to stop than this Shutdown
         for sock in self._inputs:
             sock.close()
         self._ctx.destroy(linger=0)

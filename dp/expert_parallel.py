@@ -82,6 +82,7 @@ class ExpertParallel:
         if max_num_tokens < 0:
             raise ValueError(f"max_num_tokens={max_num_tokens} must be >= 0")
         self.max_num_tokens = max_num_tokens
+        self._num_tokens.clear()  # nothing carries over from a step that failed midway
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` (``T <= M``) → every rank's tokens ``[W*M, hidden]``.
