@@ -98,8 +98,8 @@ def test_usage_counts_cached_prompt_tokens(server):
 @pytest.mark.parametrize("content", ["Translate to Chinese: I love my family.",
                                      "Write three emoji that describe happiness:"],
                          ids=["cjk", "emoji"])
-def test_multibyte_characters_never_split_across_chunks(server, content):
-    client = server.client()
+def test_multibyte_characters_never_split_across_chunks(any_server, content):
+    client = any_server.client()
     messages = [{"role": "user", "content": content}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
@@ -112,8 +112,8 @@ def test_multibyte_characters_never_split_across_chunks(server, content):
     assert b"".join(piece.encode() for piece in pieces) == text.encode()
 
 
-def test_stop_string_spanning_tokens_ends_the_stream(server):
-    client = server.client()
+def test_stop_string_spanning_tokens_ends_the_stream(any_server):
+    client = any_server.client()
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
                                      logprobs=0)
     tokens = full.choices[0].logprobs.tokens
@@ -132,8 +132,8 @@ def test_stop_string_spanning_tokens_ends_the_stream(server):
     assert stop not in "".join(c.choices[0].text for c in chunks)
 
 
-def test_logprobs_and_echo(server):
-    client = server.client()
+def test_logprobs_and_echo(any_server):
+    client = any_server.client()
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                     logprobs=2, echo=True)
     choice = out.choices[0]
@@ -150,9 +150,9 @@ def test_logprobs_and_echo(server):
         assert len(entry.top_logprobs) == 2 and entry.logprob == entry.top_logprobs[0].logprob
 
 
-def test_prompt_forms_and_sampling_fields(server):
-    client = server.client()
-    ids = client._client.post(server.url + "/tokenize", headers=server.headers(),
+def test_prompt_forms_and_sampling_fields(any_server):
+    client = any_server.client()
+    ids = client._client.post(any_server.url + "/tokenize", headers=any_server.headers(),
                               json={"prompt": PROMPT}).json()["tokens"]
     by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     many = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT], max_tokens=4, temperature=0)
@@ -175,25 +175,25 @@ def test_prompt_forms_and_sampling_fields(server):
     assert chat.usage.completion_tokens <= 3
 
 
-def test_models_version_tokenize_detokenize(server):
-    client = server.client()
+def test_models_version_tokenize_detokenize(any_server):
+    client = any_server.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server.url + "/version").json()["version"]
-    ids = server.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert httpx.get(any_server.url + "/version").json()["version"]
+    ids = any_server.post("/tokenize", json={"prompt": PROMPT}).json()
     assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] >= 2048
-    assert server.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": PROMPT}
-    chat_ids = server.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert any_server.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": PROMPT}
+    chat_ids = any_server.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat_ids["count"] > ids["count"]
 
 
-def test_api_key_required_on_v1_routes(server):
+def test_api_key_required_on_v1_routes(any_server):
     for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions",
                                                                  {"messages": MESSAGES})):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
-            r = httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+            r = httpx.post(any_server.url + path, json=body, headers=headers, timeout=30)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models").status_code == 401
-    assert httpx.get(server.url + "/health").status_code == 200  # /health needs no key
+    assert httpx.get(any_server.url + "/v1/models").status_code == 401
+    assert httpx.get(any_server.url + "/health").status_code == 200  # /health needs no key
 
 
 def _wait_metric(server, name: str, predicate, timeout_s: float = 10.0) -> float:
@@ -218,20 +218,20 @@ def test_disconnect_aborts_and_frees_kv(any_server):
     assert any_server.metric("atom:num_aborted_seqs_total") == aborted + 1
 
 
-def test_disconnect_aborts_non_streaming_request(server):
-    aborted = server.metric("atom:num_aborted_seqs_total")
+def test_disconnect_aborts_non_streaming_request(any_server):
+    aborted = any_server.metric("atom:num_aborted_seqs_total")
     with pytest.raises(httpx.ReadTimeout):
         # 1500 tokens take far longer than the 1 s the client waits
-        server.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1500,
+        any_server.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1500,
                                              "ignore_eos": True}, timeout=httpx.Timeout(60, read=1.0))
-    assert _wait_metric(server, "atom:num_aborted_seqs_total", lambda v: v == aborted + 1) == aborted + 1
-    assert _wait_metric(server, "atom:num_kv_blocks_used", lambda v: v == 0) == 0
+    assert _wait_metric(any_server, "atom:num_aborted_seqs_total", lambda v: v == aborted + 1) == aborted + 1
+    assert _wait_metric(any_server, "atom:num_kv_blocks_used", lambda v: v == 0) == 0
 
 
-def test_finishes_inside_the_engine_send_no_abort(server):
-    client = server.client()
-    aborted = server.metric("atom:num_aborted_seqs_total")
-    stopped = server.metric("atom:num_front_end_finished_seqs_total")
+def test_finishes_inside_the_engine_send_no_abort(any_server):
+    client = any_server.client()
+    aborted = any_server.metric("atom:num_aborted_seqs_total")
+    stopped = any_server.metric("atom:num_front_end_finished_seqs_total")
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)  # length
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
                                           temperature=0)  # EOS, most likely
@@ -239,9 +239,9 @@ def test_finishes_inside_the_engine_send_no_abort(server):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
                                    stop=[text[3:6]])  # a stop string, ended by the front end
     list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True))
-    assert server.metric("atom:num_aborted_seqs_total") == aborted
-    assert server.metric("atom:num_front_end_finished_seqs_total") == stopped + 1
-    assert server.metric("atom:num_kv_blocks_used") == 0
+    assert any_server.metric("atom:num_aborted_seqs_total") == aborted
+    assert any_server.metric("atom:num_front_end_finished_seqs_total") == stopped + 1
+    assert any_server.metric("atom:num_kv_blocks_used") == 0
 
 
 def test_metrics_names_and_histograms(any_server):
@@ -290,31 +290,31 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path,body,param", BAD_REQUESTS,
                          ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(BAD_REQUESTS)])
-def test_bad_input_is_400_and_the_server_keeps_serving(server, path, body, param):
-    r = server.post(path, json={"model": MODEL, **body})
+def test_bad_input_is_400_and_the_server_keeps_serving(any_server, path, body, param):
+    r = any_server.post(path, json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
-    good = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    good = any_server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert good.usage.completion_tokens == 2
 
 
-def test_malformed_json_nan_and_stream_errors_are_400(server):
-    headers = {**server.headers(), "content-type": "application/json"}
-    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30, headers=headers)
+def test_malformed_json_nan_and_stream_errors_are_400(any_server):
+    headers = {**any_server.headers(), "content-type": "application/json"}
+    r = httpx.post(any_server.url + "/v1/completions", content=b"{not json", timeout=30, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     for body, param in ((b'{"prompt": "Hi", "temperature": NaN}', "temperature"),
                         (b'{"prompt": "Hi", "logit_bias": {"5": Infinity}}', "logit_bias")):
-        r = httpx.post(server.url + "/v1/completions", content=body, timeout=30, headers=headers)
+        r = httpx.post(any_server.url + "/v1/completions", content=body, timeout=30, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # a streaming request the engine refuses (prompt larger than the KV pool) is still a 400
-    r = server.post("/v1/completions", json={"model": MODEL, "prompt": [7] * 2100,
+    r = any_server.post("/v1/completions", json={"model": MODEL, "prompt": [7] * 2100,
                                              "max_tokens": 4, "stream": True})
     assert r.status_code == 400 and "error" in r.json()
     with pytest.raises(openai.BadRequestError):
-        server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-2)
+        any_server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-2)
 
 
 def test_unknown_model_is_404(any_server):
