@@ -1,70 +1,166 @@
-// Decode attention straight from the paged KV cache (CPU), for atom.kernels.paged_decode.
+// Decode attention straight from the paged KV cache (CPU), for atom.kernels.attention.
 //
 // One query token per sequence attends to the first context_len tokens of its own KV, read
-// block by block through its block table: no gathered copy of the context is ever made (the
-// torch path copied every sequence's whole context, per layer and step). Work is split over
-// (sequence, KV head) pairs with at::parallel_for, so it runs on torch's intra-op threads.
-// Per pair: pass 1 computes the scores of the G = H / H_kv query heads that share the KV head
-// (K read once), a softmax in float32, pass 2 accumulates the values (V read once). Same math
-// as vLLM's CPU paged attention v1 (csrc/cpu/attention.cpp); the head_dim loops use AVX2/FMA
-// when the build machine has them (-march=native), a scalar loop otherwise.
+// block by block through its block table: no gathered copy of the context is ever made. Work
+// items are (sequence, range of KV heads), run with at::parallel_for on torch's intra-op threads
+// (the extension is built with -fopenmp; without it at::parallel_for runs serially). With at
+// least 4 sequences per thread an item takes all KV heads, so each block's K and V are read as
+// one contiguous run (and the next block is prefetched). For the G = H / H_kv query heads that
+// share a KV head:
+//   pass 1  scores[g][t] = (q_g * scale) . k_t       8 tokens per register tile
+//   softmax per g in float32                          vectorised exp (vec.h)
+//   pass 2  out[g] = sum_t p[g][t] v_t / sum_t p[g][t]   per block, up to 4 heads x 16 lanes of
+//                                                     accumulators in registers
+// The math is that of vLLM's CPU paged attention v1 (csrc/cpu/attention.cpp). The register
+// tiling is what makes it fast: a dot product per (g, t) with one accumulator is a chain of
+// dependent FMAs, latency-bound at a few GFLOP/s. With AVX2+FMA (-march=native on such a
+// machine) and head_dim % 8 == 0 the tiled path runs; otherwise a scalar loop computes the same.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+namespace atom_kernels {
 namespace {
 
-// Loads 8 consecutive elements as float32 lanes (AVX2) or through a scalar loop.
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
-#define ATOM_AVX2 1
-#else
-#define ATOM_AVX2 0
-#endif
-
-// q_scaled [D] . k [D] (k in the cache dtype).
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t head_dim) {
 #if ATOM_AVX2
-  if (head_dim % 8 == 0) {
+
+template <typename T>
+inline void prefetch_block(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * (int64_t)sizeof(T); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// scores[i] = q . k_i for n tokens of one block (k_i = kb + i * token_stride); D % 8 == 0.
+// Eight tokens at a time: eight independent FMA chains instead of one.
+template <typename T>
+inline void score_block(float* scores, const float* q, const T* kb, int64_t n,
+                        int64_t token_stride, int64_t head_dim) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const T* k = kb + i * token_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qv, load8(k + d), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(k + token_stride + d), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(k + 2 * token_stride + d), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(k + 3 * token_stride + d), a3);
+      a4 = _mm256_fmadd_ps(qv, load8(k + 4 * token_stride + d), a4);
+      a5 = _mm256_fmadd_ps(qv, load8(k + 5 * token_stride + d), a5);
+      a6 = _mm256_fmadd_ps(qv, load8(k + 6 * token_stride + d), a6);
+      a7 = _mm256_fmadd_ps(qv, load8(k + 7 * token_stride + d), a7);
+    }
+    _mm_storeu_ps(scores + i, hsum4(a0, a1, a2, a3));
+    _mm_storeu_ps(scores + i + 4, hsum4(a4, a5, a6, a7));
+  }
+  for (; i < n; ++i) {
+    const T* k = kb + i * token_stride;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
-    return hsum(acc);
+    for (int64_t d = 0; d < head_dim; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+    scores[i] = hsum(acc);
   }
-#endif
-  float acc = 0.f;
-  for (int64_t d = 0; d < head_dim; ++d) acc += q[d] * static_cast<float>(k[d]);
-  return acc;
 }
 
-// acc [D] += p * v [D] (v in the cache dtype).
-template <typename T>
-inline void axpy(float* acc, float p, const T* v, int64_t head_dim) {
-#if ATOM_AVX2
-  if (head_dim % 8 == 0) {
-    const __m256 pv = _mm256_set1_ps(p);
-    for (int64_t d = 0; d < head_dim; d += 8)
-      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
-    return;
+// In place p[t] = exp(s[t] - max s) over n scores; returns sum_t p[t].
+inline float softmax_numerators(float* s, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float mx = hmax(mv);
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 mb = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+    _mm256_storeu_ps(s + t, e);
+    sv = _mm256_add_ps(sv, e);
   }
-#endif
-  for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * static_cast<float>(v[d]);
+  float sum = hsum(sv);
+  for (; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+  return sum;
+}
+
+// acc[g][d0 : d0 + 8 NV] += sum_i p[g][i] * v_i[d0 : d0 + 8 NV] over the n tokens of one block
+// (v_i = vb + i * token_stride), for GN query heads: GN * NV accumulators live in registers for
+// the block, and each V slice is loaded once for all GN heads.
+template <int GN, int NV, typename T>
+inline void pv_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
+                     const T* vb, int64_t n, int64_t token_stride, int64_t d0) {
+  __m256 a[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load8(vb + i * token_stride + d0 + 8 * j);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 pb = _mm256_broadcast_ss(p + g * p_stride + i);
+      for (int j = 0; j < NV; ++j) a[g][j] = _mm256_fmadd_ps(pb, v[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * j, a[g][j]);
+}
+
+// pv_block for all `group` query heads of one KV head and the whole of head_dim.
+template <int NV, typename T>
+void pv_block_heads(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
+                    const T* vb, int64_t n, int64_t token_stride) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    float* a = acc + g0 * head_dim;
+    const float* pg = p + g0 * len;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * NV) {
+      switch (std::min<int64_t>(4, group - g0)) {
+#define ATOM_PV_CASE(GN)                                                        \
+  case GN:                                                                      \
+    pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);            \
+    break;
+        ATOM_PV_CASE(1) ATOM_PV_CASE(2) ATOM_PV_CASE(3) ATOM_PV_CASE(4)
+#undef ATOM_PV_CASE
+      }
+    }
+  }
+}
+
+#endif  // ATOM_AVX2
+
+// One (sequence, KV head) pair, any head_dim, scalar: the reference the tiled path must match.
+template <typename T>
+void pair_scalar(float* acc, float* scores, const float* qf, const T* k_head, const T* v_head,
+                 const int64_t* table, int64_t len, int64_t group, int64_t head_dim,
+                 int64_t block_size, int64_t block_stride, int64_t token_stride) {
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t off = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d)
+        s += qf[g * head_dim + d] * static_cast<float>(k_head[off + d]);
+      scores[g * len + t] = s;
+    }
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    const float mx = *std::max_element(sg, sg + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t off = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      for (int64_t d = 0; d < head_dim; ++d)
+        acc[g * head_dim + d] += sg[t] * static_cast<float>(v_head[off + d]);
+    }
+    for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] /= sum;
+  }
 }
 
 template <typename T>
@@ -75,50 +171,73 @@ void decode_kernel(float* out, const T* q, const T* k_cache, const T* v_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;    // elements between tokens of a block
   const int64_t block_stride = block_size * token_stride;  // elements between blocks
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores, inv_sum(group);
+  const bool tiled = ATOM_AVX2 && head_dim % 8 == 0;
+  // A work item is one sequence and a range of its KV heads. With enough sequences to go round
+  // the threads, an item takes all heads: it then reads each block's [block_size, H_kv, D] K
+  // and V as one contiguous run, which the hardware prefetcher streams (per-head items read
+  // head_dim-wide pieces at a stride of H_kv * head_dim and were memory-latency bound).
+  const int64_t heads_per_item =
+      num_seqs >= 4 * at::get_num_threads() || !tiled ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), scores, inv(num_heads);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / num_kv_heads, h = work % num_kv_heads;
+      const int64_t s = work / items_per_seq;
+      const int64_t h_begin = (work % items_per_seq) * heads_per_item;
+      const int64_t h_end = h_begin + heads_per_item;
       const int64_t len = context_lens[s];
       const int64_t* table = block_tables + s * table_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qp = q + (s * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qp[d]) * scale;
+      // Query heads [h_begin * G, h_end * G) are the ones these KV heads serve, adjacent in q.
+      const int64_t q_begin = h_begin * group, nq = heads_per_item * group;
+      const T* qp = q + (s * num_heads + q_begin) * head_dim;
+      for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = static_cast<float>(qp[i]) * scale;
+      scores.resize(nq * len);  // scores[(h - h_begin) * G + g][t]
+      float* o = out + (s * num_heads + q_begin) * head_dim;
+      if (!tiled) {
+        for (int64_t h = h_begin; h < h_end; ++h) {
+          const int64_t r = (h - h_begin) * group;
+          pair_scalar(o + r * head_dim, scores.data() + r * len, qf.data() + r * head_dim,
+                      k_cache + h * head_dim, v_cache + h * head_dim, table, len, group,
+                      head_dim, block_size, block_stride, token_stride);
+        }
+        continue;
       }
-      scores.resize(group * len);
-      // pass 1: scores[g][t] = (q_g * scale) . k_t, block by block (K read once)
+#if ATOM_AVX2
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* kb = k_cache + table[t0 / block_size] * block_stride + h * head_dim;
+        const T* kb = k_cache + table[t0 / block_size] * block_stride;
         const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * len + t0 + i] = dot(qf.data() + g * head_dim, kb + i * token_stride, head_dim);
+        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_stride, block_stride);
+        for (int64_t h = h_begin; h < h_end; ++h)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (h - h_begin) * group + g;
+            score_block(scores.data() + r * len + t0, qf.data() + r * head_dim, kb + h * head_dim,
+                        n, token_stride, head_dim);
+          }
       }
-      // softmax per query head, float32
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-        inv_sum[g] = 1.f / sum;
-      }
-      // pass 2: acc[g] = sum_t p[g][t] * v_t (V read once)
-      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t r = 0; r < nq; ++r) inv[r] = 1.f / softmax_numerators(scores.data() + r * len, len);
+      std::fill(o, o + nq * head_dim, 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* vb = v_cache + table[t0 / block_size] * block_stride + h * head_dim;
+        const T* vb = v_cache + table[t0 / block_size] * block_stride;
         const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t g = 0; g < group; ++g)
-            axpy(acc.data() + g * head_dim, scores[g * len + t0 + i], vb + i * token_stride, head_dim);
+        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_stride, block_stride);
+        for (int64_t h = h_begin; h < h_end; ++h) {
+          const int64_t r = (h - h_begin) * group;
+          if (head_dim % 16 == 0)
+            pv_block_heads<2>(o + r * head_dim, group, head_dim, scores.data() + r * len + t0,
+                              len, vb + h * head_dim, n, token_stride);
+          else
+            pv_block_heads<1>(o + r * head_dim, group, head_dim, scores.data() + r * len + t0,
+                              len, vb + h * head_dim, n, token_stride);
+        }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* op = out + (s * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) op[d] = acc[g * head_dim + d] * inv_sum[g];
-      }
+      for (int64_t r = 0; r < nq; ++r)
+        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] *= inv[r];
+#endif
     }
   });
 }
+
+}  // namespace
 
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (same dtype as q, float32 or
 // bfloat16, contiguous); block_tables int64 [S, >= max blocks]; context_lens int64 [S], >= 1.
@@ -161,9 +280,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention read in place from the paged KV cache (float32 output)");
-}
+}  // namespace atom_kernels

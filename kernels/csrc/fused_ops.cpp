@@ -1,0 +1,166 @@
+// Fused elementwise ops of the Llama decoder (CPU, float32): RMSNorm (with the residual add
+// folded in, as vLLM's fused_add_rms_norm), SiLU-and-mul, and the rotary embedding applied in
+// place to a fused qkv tensor. Each replaces a chain of 4-8 torch ops (one pass over memory and
+// one dispatch instead of several); the math is that of the torch reference paths in
+// atom.kernels.fused, which the tests compare against.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+#include "vec.h"
+
+#include <cmath>
+
+namespace atom_kernels {
+namespace {
+
+// Rows per parallel chunk: about 16k elements, so small (decode) batches stay on one thread.
+int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+// out[i] = w[i] * x[i] * rsqrt(mean(x^2) + eps) over one row of n.
+inline void rms_norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#if ATOM_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = hsum(acc);
+#endif
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#if ATOM_AVX2
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                            _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
+#endif
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              name, ": expects a float32 [T, N] tensor with contiguous rows");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "rms_norm: weight must be float32 [N]");
+  auto out = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(op + r * n, xp + r * xs, wp, n, eps);
+  });
+  return out;
+}
+
+torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                 double eps) {
+  check_rows(x, "fused_add_rms_norm");
+  check_rows(residual, "fused_add_rms_norm");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "fused_add_rms_norm: x and residual shapes differ");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "fused_add_rms_norm: weight must be float32 [N]");
+  auto out = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* res = rp + r * rs;
+      const float* xr = xp + r * xs;
+      for (int64_t i = 0; i < n; ++i) res[i] += xr[i];
+      rms_norm_row(op + r * n, res, wp, n, eps);
+    }
+  });
+  return out;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_rows(x, "silu_and_mul");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even (gate, up)");
+  auto out = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * xs;
+      const float* up = gate + n;
+      float* o = op + r * n;
+      int64_t i = 0;
+#if ATOM_AVX2
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));  // e^-g
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      }
+#endif
+      for (; i < n; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                       int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rotary_embedding_");
+  check_rows(cos, "rotary_embedding_");
+  check_rows(sin, "rotary_embedding_");
+  const int64_t rows = qkv.size(0), head_dim = cos.size(1), half = head_dim / 2;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == rows && head_dim % 2 == 0,
+              "rotary_embedding_: cos and sin must be [T, D] with an even D");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "rotary_embedding_: qkv must be [T, (H + 2 H_kv) * D]");
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t heads = num_heads + num_kv_heads;  // queries, then keys; values untouched
+  at::parallel_for(0, rows, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * cs;
+      const float* s = sp + r * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = xp + r * xs + h * head_dim;
+        // [x1, x2] * cos + [-x2, x1] * sin, with x1 = x[:half], x2 = x[half:]
+        int64_t i = 0;
+#if ATOM_AVX2
+        for (; i + 8 <= half; i += 8) {
+          const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+          const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)),
+                                          _mm256_mul_ps(x2, _mm256_loadu_ps(s + i)));
+          const __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
+                                          _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i)));
+          _mm256_storeu_ps(x + i, lo);
+          _mm256_storeu_ps(x + half + i, hi);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = x[i], x2 = x[half + i];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[half + i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace atom_kernels
