@@ -39,6 +39,7 @@ from atom.messages import EngineCoreRequest, SeqOutput
 from atom.sampler import Sampler, top_logprobs
 from atom.scheduler import PrefillGate, Scheduler, SchedulerConfig, SchedulerOutput
 from atom.sequence import FinishReason, Sequence
+from atom.tbo import can_split
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,8 @@ class EngineCore:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
         self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
-                                  block_size=config.block_size, max_model_len=max_model_len)
-        if config.moe_split_experts is not None:
-            from atom.models.moe import split_mlps_into_experts
-
-            split_mlps_into_experts(self.runner.model, config.moe_split_experts)
+                                  block_size=config.block_size, max_model_len=max_model_len,
+                                  moe_split_experts=config.moe_split_experts)
         if config.enable_expert_parallel and not self.is_moe:
             raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
                              "Mixtral folder) or split a dense one with --moe-split-experts E")
@@ -228,8 +226,6 @@ class EngineCore:
     def tbo_eligible(self, sched: SchedulerOutput) -> bool:
         """Whether ``enable_tbo`` is on and this batch can run as two micro-batches (the DP
         loop splits only when every rank's answer is yes)."""
-        from atom.tbo import can_split
-
         return self.config.enable_tbo and can_split(sched.scheduled)
 
     def schedule(self) -> SchedulerOutput:

@@ -67,6 +67,8 @@ class ModelRunner:
         num_kv_blocks: blocks in the KV cache pool (block ids ``0 .. num_kv_blocks - 1``).
         block_size: tokens per block.
         max_model_len: longest sequence (prompt + output) in tokens; sizes the rotary tables.
+        moe_split_experts: split every dense MLP into this many experts (model (a) of DESIGN.md,
+            :func:`atom.models.moe.split_mlps_into_experts`), or None.
     Raises:
         ValueError: unsupported architecture, bad weights, or non-positive sizes.
     """
@@ -74,6 +76,7 @@ class ModelRunner:
     def __init__(
         self, arch_config: ModelArchConfig, state_dict: dict[str, torch.Tensor], *,
         dtype: torch.dtype, num_kv_blocks: int, block_size: int, max_model_len: int,
+        moe_split_experts: int | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_model_len", max_model_len)):
@@ -88,6 +91,12 @@ class ModelRunner:
         model_cls = get_model_class(arch_config.architecture)
         self.model = model_cls.from_state_dict(
             arch_config, state_dict, dtype=dtype, max_positions=max_model_len, device=self.device)
+        if moe_split_experts is not None:
+            from atom.models.moe import split_mlps_into_experts
+
+            split_mlps_into_experts(self.model, moe_split_experts)
+        # Last: packing drops the dense linear weights the split above reads.
+        self.model.pack_weights()
         # Zero-filled, not empty: the batched decode path reads whole blocks (masked past each
         # context), and masked garbage that happens to be NaN would still poison softmax @ V.
         self.kv_caches = [

@@ -10,7 +10,8 @@ dimension, no padding. Attention goes through :mod:`atom.kernels.attention`.
 
 Weights are fused at load (``q/k/v_proj`` → ``qkv_proj``, ``gate/up_proj`` → ``gate_up_proj``):
 one GEMM instead of three (two) per layer, which matters for small-batch decode where each GEMM
-is latency bound.
+is latency bound. :meth:`LlamaForCausalLM.pack_weights` then swaps every linear weight for
+oneDNN's pre-packed copy (:mod:`atom.kernels.linear`) once the model is final.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels import fused
 from atom.kernels.attention import AttentionMetadata, paged_attention
+from atom.kernels.linear import pack_weight, packed_linear
 from atom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -29,18 +32,46 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, exactly as Hugging Face's ``LlamaRMSNorm``."""
+    """RMSNorm computed in float32 and cast back, as Hugging Face's ``LlamaRMSNorm``
+    (:func:`atom.kernels.fused.rms_norm`). With ``residual``, normalizes ``residual + x`` and
+    leaves that sum in ``residual`` (in place)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T`` without bias; :meth:`pack_weight` swaps in oneDNN's packed copy.
+
+    Before packing, ``weight`` is an ``[out_features, in_features]`` parameter and the forward is
+    ``F.linear``. After a successful :meth:`pack_weight`, ``weight`` is None and the forward runs
+    on ``packed_weight`` (:func:`atom.kernels.linear.packed_linear`); the dense copy is dropped,
+    so pack only once nothing reads ``weight`` any more.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed."""
+        if self.weight is None:
+            return
+        packed = pack_weight(self.weight)
+        if packed is not None:
+            self.packed_weight = packed
+            self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight)
+        return packed_linear(x, self.packed_weight)
 
 
 def rotary_cos_sin(
@@ -58,13 +89,6 @@ def rotary_cos_sin(
     return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[T, H, D]``; cos/sin: ``[T, D]`` in x's dtype. HF ``rotate_half`` convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class LlamaAttention(nn.Module):
     """Self-attention with fused QKV; reads/writes the layer's paged KV cache.
 
@@ -80,17 +104,20 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        fused.rotary_embedding_(qkv, cos, sin, num_heads=self.num_heads,
+                                num_kv_heads=self.num_kv_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         assert self.kv_cache is not None, "bind_kv_caches() must run before the forward"
         out = paged_attention(q, k, v, self.kv_cache, meta, scale=self.scale)
@@ -103,12 +130,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -133,8 +159,9 @@ class LlamaDecoderLayer(nn.Module):
         """The layer up to its MLP: returns (the residual stream after attention, the MLP's
         normalized input), both ``[T, hidden]``. The layer's output is ``x + mlp(h)``; the
         two-batch-overlap executor (:mod:`atom.tbo`) runs the MLP's stages itself."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x, self.post_attention_layernorm(x)
+        h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta),
+                                          residual=x)  # x += attention output, in place
+        return x, h
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,8 +178,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        # Tied embeddings: from_state_dict points lm_head.weight at the embedding matrix.
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.max_positions = max_positions
 
     @classmethod
@@ -175,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config, max_positions=max_positions)
         model = model.to_empty(device=device).to(dtype)
         params = dict(model.named_parameters())
+        if config.tie_word_embeddings:
+            del params["lm_head.weight"]
         for name, tensor in _fused_hf_weights(config, state_dict).items():
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for a {config.architecture} model")
@@ -186,12 +215,23 @@ class LlamaForCausalLM(nn.Module):
             del params[name]
         if params:
             raise ValueError(f"missing weights: {sorted(params)[:8]}")
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
         cos, sin = rotary_cos_sin(head_dim=config.head_dim, rope_theta=config.rope_theta,
                                   max_positions=max_positions)
         model.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         model.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
         model.requires_grad_(False)
         return model.eval()
+
+    def pack_weights(self) -> None:
+        """Swap every :class:`Linear`'s weight for oneDNN's packed copy (faster GEMMs on CPU,
+        :mod:`atom.kernels.linear`). Call once the model is final (after any MoE split, which
+        reads the dense MLP weights). With tied embeddings the LM head keeps a packed copy of
+        the embedding matrix, which the embedding lookup still reads dense."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Bind each layer's ``[2, num_blocks, block_size, H_kv, D]`` KV cache (runner-owned)."""
@@ -215,8 +255,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[S, hidden]`` run dtype → logits ``[S, vocab]`` float32 (GEMM in run dtype,
         as Hugging Face does, then upcast)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
 
 def _fused_hf_weights(
