@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=pathlib.Path("results/bench_scheduler.json"))
     args = parser.parse_args(argv)
 
-    from atom.config import EngineConfig  # before torch: atom sets OMP_WAIT_POLICY
+    from atom.config import EngineConfig  # before torch: atom sets GOMP_SPINCOUNT
     import torch
 
     from atom.model_loader import load_model_weights
