@@ -67,7 +67,8 @@ class Sampler:
         """
         logits = logits.float()
         log_norm = torch.logsumexp(logits, dim=-1)  # [S]: raw logprob = logit - log_norm
-        processed = self._process(logits.clone(), seqs)
+        processed = self._process(logits.clone(), seqs) if any(
+            _needs_processing(seq) for seq in seqs) else logits
         token_ids = self._sample(processed, seqs)
         sampled_lp = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
         token_list = token_ids.tolist()
@@ -116,6 +117,13 @@ class Sampler:
             gen = torch.Generator().manual_seed(seed + seq.index)
             self._seq_generators[seq.seq_id] = gen
         return gen
+
+
+def _needs_processing(seq: Sequence) -> bool:
+    """Whether :meth:`Sampler._process` would change this sequence's logits."""
+    params = seq.sampling_params
+    return bool(params.logit_bias) or params.needs_penalties or (
+        seq.num_output_tokens < params.min_tokens)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:
