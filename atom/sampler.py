@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.kernels import fused
 from atom.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -66,10 +67,14 @@ class Sampler:
             seqs: the sampled sequences (read only; the scheduler appends the tokens).
         """
         logits = logits.float()
-        log_norm = torch.logsumexp(logits, dim=-1)  # [S]: raw logprob = logit - log_norm
-        processed = self._process(logits.clone(), seqs) if any(
-            _needs_processing(seq) for seq in seqs) else logits
-        token_ids = self._sample(processed, seqs)
+        # [S]: raw logprob = logit - log_norm; and the raw argmax, the greedy token when no
+        # logits processor applies (one fused pass: atom.kernels.fused)
+        log_norm, raw_argmax = fused.logsumexp_argmax(logits)
+        if any(_needs_processing(seq) for seq in seqs):
+            processed = self._process(logits.clone(), seqs)
+            token_ids = self._sample(processed, seqs, processed.argmax(dim=-1))
+        else:
+            token_ids = self._sample(logits, seqs, raw_argmax)
         sampled_lp = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
         token_list = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = []
@@ -96,8 +101,10 @@ class Sampler:
                                 repetition_penalty=params.repetition_penalty)
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        token_ids = logits.argmax(dim=-1)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor
+                ) -> torch.Tensor:
+        """Greedy rows keep ``greedy_ids`` (the argmax of ``logits``); the others are drawn."""
+        token_ids = greedy_ids
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
             if params.greedy:

@@ -29,7 +29,8 @@ def load():
     """The compiled extension module, or None if unavailable.
 
     Its functions (declared in ``kernels/csrc/ops.h``): ``paged_decode_attention``,
-    ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding_``.
+    ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding_``,
+    ``logsumexp_argmax``.
     """
     if os.environ.get("ATOM_DISABLE_CPP_KERNELS", "0") not in ("", "0"):
         logger.warning("ATOM_DISABLE_CPP_KERNELS is set: using the torch attention path")

@@ -1,5 +1,6 @@
 """Fused elementwise ops of the Llama decoder: RMSNorm (optionally with the residual add folded
-in), SiLU-and-mul, and the rotary embedding applied in place to a fused qkv tensor.
+in), SiLU-and-mul, and the rotary embedding applied in place to a fused qkv tensor; and the
+sampler's row-wise logsumexp + argmax.
 
 Each function runs the compiled CPU kernel (``kernels/csrc/fused_ops.cpp`` through
 :mod:`atom.kernels.cpu_ops`) for float32 CPU tensors when it is built, and otherwise the torch
@@ -93,3 +94,16 @@ def rotary_embedding_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, num_heads + num_kv_heads,
                                                                head_dim)
     qk.copy_(apply_rotary_reference(qk, cos, sin))
+
+
+def logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise ``torch.logsumexp`` and ``argmax`` of ``[S, V]`` logits in two passes per row.
+
+    Returns:
+        ``(logsumexp [S] in logits' dtype, argmax int64 [S])``; ties give the first index, as
+        ``torch.argmax`` does (rows are expected NaN-free).
+    """
+    ops = _kernels(logits)
+    if ops is not None and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0:
+        return ops.logsumexp_argmax(logits)
+    return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)

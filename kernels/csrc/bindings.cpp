@@ -11,4 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] float32 rows");
   m.def("rotary_embedding_", &rotary_embedding_,
         "Rotary embedding of the query and key heads of a fused qkv tensor, in place (float32)");
+  m.def("logsumexp_argmax", &logsumexp_argmax,
+        "Row-wise logsumexp and first argmax of float32 [S, V] (sampling)");
 }

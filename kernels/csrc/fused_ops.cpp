@@ -163,4 +163,65 @@ void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   });
 }
 
+std::tuple<torch::Tensor, torch::Tensor> logsumexp_argmax(torch::Tensor x) {
+  check_rows(x, "logsumexp_argmax");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0, "logsumexp_argmax: rows must not be empty");
+  auto lse = torch::empty({rows}, x.options());
+  auto ids = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * xs;
+      // Pass 1: the maximum and its first index (each lane keeps its first maximum; lanes are
+      // merged by value, then by the smaller index, so ties resolve as torch.argmax does).
+      float best = row[0];
+      int64_t best_i = 0, i = 0;
+#if ATOM_AVX2
+      if (n >= 8) {
+        __m256 vmax = _mm256_loadu_ps(row);
+        __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i cur = vidx;
+        const __m256i step = _mm256_set1_epi32(8);
+        for (i = 8; i + 8 <= n; i += 8) {
+          cur = _mm256_add_epi32(cur, step);
+          const __m256 v = _mm256_loadu_ps(row + i);
+          const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+          vmax = _mm256_blendv_ps(vmax, v, gt);
+          vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx),
+                                                      _mm256_castsi256_ps(cur), gt));
+        }
+        alignas(32) float mv[8];
+        alignas(32) int32_t mi[8];
+        _mm256_store_ps(mv, vmax);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mi), vidx);
+        best = mv[0];
+        best_i = mi[0];
+        for (int l = 1; l < 8; ++l)
+          if (mv[l] > best || (mv[l] == best && mi[l] < best_i)) { best = mv[l]; best_i = mi[l]; }
+      }
+#endif
+      for (; i < n; ++i)
+        if (row[i] > best) { best = row[i]; best_i = i; }
+      // Pass 2: log(sum exp(x - max)) + max.
+      float sum = 0.f;
+      i = 0;
+#if ATOM_AVX2
+      const __m256 mb = _mm256_set1_ps(best);
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= n; i += 8)
+        acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), mb)));
+      sum = hsum(acc);
+#endif
+      for (; i < n; ++i) sum += std::exp(row[i] - best);
+      lp[r] = best + std::log(sum);
+      ip[r] = best_i;
+    }
+  });
+  return {lse, ids};
+}
+
 }  // namespace atom_kernels

@@ -27,4 +27,8 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                        int64_t num_heads, int64_t num_kv_heads);
 
+// Per row of x [S, V] float32: (logsumexp float32 [S], argmax int64 [S], the first maximum on
+// ties), in two passes over the row instead of torch's three.
+std::tuple<torch::Tensor, torch::Tensor> logsumexp_argmax(torch::Tensor x);
+
 }  // namespace atom_kernels

@@ -86,3 +86,17 @@ def test_bfloat16_takes_the_torch_path():
     fused.rotary_embedding_(qkv, cos, sin, num_heads=2, num_kv_heads=1)
     assert torch.equal(qkv[:, :24].reshape(3, 3, 8), expected)
     assert torch.equal(qkv[:, 24:], values)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [49152, 1003, 5])  # 1003: a tail after the 8-wide loop; 5: only the tail
+def test_logsumexp_argmax_matches_torch(vocab):
+    x = _randn(9, vocab, scale=6.0)
+    x[1, :] = 0.5  # all tied: the first index wins
+    x[2, [vocab // 2, vocab - 1]] = 1e3  # tie between a lane and the tail
+    x[3, 0] = 1e3  # the first element
+    lse, ids = ops.logsumexp_argmax(x)
+    assert ids.dtype == torch.int64
+    assert torch.equal(ids, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), rtol=1e-6, atol=1e-5)
+    assert torch.equal(fused.logsumexp_argmax(x)[1], ids)
