@@ -94,17 +94,28 @@ def write_kv(
         slot_mapping: int64 ``[T]``; ``NO_KV_WRITE_SLOT`` (-1) leaves the cache untouched for
             that token. Other values must lie in ``[0, num_blocks * block_size)``.
     """
-    if slot_mapping.numel() == 0:
-        return
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     valid = slot_mapping != NO_KV_WRITE_SLOT
-    # Common case (no padding): one index_copy_ per cache without a boolean gather.
     if not bool(valid.all()):
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
-    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+    _scatter_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def _scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """:func:`write_kv` for slots that are all valid (one ``index_copy_`` per cache)."""
+    if slots.numel() == 0:
+        return
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _write_step_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   meta: AttentionMetadata) -> None:
+    """Write a step's new K/V: its real tokens ``[0, query_start_loc[-1])`` all have slots (the
+    runner's layout), the padding after them writes nothing, so no per-token check is needed."""
+    num_real = meta.query_start_loc[-1]
+    _scatter_kv(k_cache, v_cache, k[:num_real], v[:num_real], meta.slot_mapping[:num_real])
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -246,7 +257,7 @@ def paged_attention(
         ``[T, H, D]``; zero for padding tokens.
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    _write_step_kv(k_cache, v_cache, k, v, meta)
     num_decodes = meta.num_decodes
     assert meta.query_start_loc[num_decodes] == num_decodes, "decodes must come first"
     if num_decodes == q.shape[0] and num_decodes > 0:  # a pure decode step, no padding
@@ -274,7 +285,7 @@ def paged_attention_reference(
     """Like :func:`paged_attention` but every sequence (decodes too) goes through the per-sequence
     reference that gathers from the cache; the yardstick for the faster paths in tests."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    _write_step_kv(k_cache, v_cache, k, v, meta)
     out = torch.zeros_like(q)
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
