@@ -194,6 +194,26 @@ def test_tiny_llama_chunked_prefill_in_mixed_batch_matches_transformers(tiny_lla
     _check_chunked_mixed_batch(runner, hf_model, 256)
 
 
+def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tmp_path):
+    """With no C++ kernels (no compiler, or ATOM_DISABLE_CPP_KERNELS=1) and no oneDNN packing,
+    the torch reference paths (attention, norms, rotary, SiLU, sampling helpers) run instead and
+    compute the same model."""
+    from atom.kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    monkeypatch.setattr("atom.models.llama.pack_weight", lambda weight: None)
+    _, hf_config = _tiny_llama_config_and_hf(tie=True)
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(hf_config).eval()
+    hf_model.save_pretrained(tmp_path)
+    config, state_dict = load_model_weights(str(tmp_path), torch.float32)
+    runner = ModelRunner(config, state_dict, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
+                         block_size=BLOCK_SIZE, max_model_len=256)
+    assert runner.model.layers[0].mlp.gate_up_proj.weight is not None  # left dense
+    _check_prefill_then_decode(runner, hf_model, _random_tokens(23, 256, seed=5))
+    _check_chunked_mixed_batch(runner, hf_model, 256)
+
+
 @pytest.mark.xdist_group("model")
 def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(smol_hf):
     """bf16 rounds differently from transformers' bf16 (fused GEMMs), so compare error sizes:
