@@ -33,7 +33,7 @@ def load():
     ``logsumexp_argmax``.
     """
     if os.environ.get("ATOM_DISABLE_CPP_KERNELS", "0") not in ("", "0"):
-        logger.warning("ATOM_DISABLE_CPP_KERNELS is set: using the torch attention path")
+        logger.warning("ATOM_DISABLE_CPP_KERNELS is set: using the torch paths")
         return None
     from torch.utils import cpp_extension
 
@@ -47,6 +47,6 @@ def load():
                           f"-DATOM_HEADERS_DIGEST={headers.hexdigest()[:16]}"],
             extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler / failed build
-        logger.warning("could not build the C++ CPU kernels (%s): using the torch attention path",
+        logger.warning("could not build the C++ CPU kernels (%s): using the torch paths",
                        exc)
         return None

