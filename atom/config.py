@@ -1,14 +1,14 @@
 """Engine configuration: frozen dataclasses, one default per field, the CLI generated from them.
 
 Values found at run time (number of KV blocks, EOS ids) are not here: they live in
-:class:`atom.engine_core.EngineRuntime`.
+:class:`atom.messages.EngineRuntime`. Every setting is validated here, once (``__post_init__``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -39,16 +39,16 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     num_kv_blocks: int | None = None
-    """KV pool size in blocks; wins over kv_cache_memory."""
-    kv_cache_memory: int = 2 * 1024**3
+    """KV pool size in blocks; wins over kv_cache_memory_bytes."""
+    kv_cache_memory_bytes: int = 2 * 1024**3
     """KV pool budget in bytes, used when num_kv_blocks is None (default 2 GiB)."""
     seed: int = 0
     """Seed of the engine's sampling generator (requests may bring their own seed)."""
     skip_tokenizer_init: bool = False
     """Do not load a tokenizer: prompts must be token ids and outputs carry no text."""
     num_threads: int | None = None
-    """Torch intra-op threads; None = cores available to this process (divided among the DP
-    ranks of one node)."""
+    """Torch intra-op threads per engine core; None = OMP_NUM_THREADS when set (a launcher's
+    share), else the cores available divided among the engine cores of this node."""
     data_parallel_size: int = 1
     """Number of data-parallel ranks (one EngineCore process each, stepping in lockstep)."""
     dp_load_balance: str = "least_requests"
@@ -60,6 +60,10 @@ class EngineConfig:
     """Most consecutive ticks a prefill hold may last before prefills are allowed."""
     prefill_delayer_kv_low_watermark: float | None = None
     """KV usage fraction in (0, 1): a ready rank below it releases a hold; None = off."""
+    dp_group_timeout_s: float = 600.0
+    """Seconds a DP collective (and the rendezvous) may wait for its peers before it fails:
+    a rank that never shows up, or stops in the middle of a tick, fails the others after this
+    long instead of hanging them (gloo's and NCCL's default is 10 minutes too)."""
     enable_expert_parallel: bool = False
     """Shard the experts of MoE layers across the DP ranks (tokens travel to the ranks owning
     their experts and back inside every forward); needs an MoE model."""
@@ -81,8 +85,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
-        if self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be >= 1 (bytes)")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.data_parallel_size < 1:
@@ -90,9 +94,12 @@ class EngineConfig:
         if self.dp_load_balance not in DP_LOAD_BALANCE_POLICIES:
             raise ValueError(f"dp_load_balance={self.dp_load_balance!r} is not supported: use one "
                              f"of {DP_LOAD_BALANCE_POLICIES}")
-        if self.prefill_delayer_max_delay_passes < 1:
-            raise ValueError(f"prefill_delayer_max_delay_passes="
-                             f"{self.prefill_delayer_max_delay_passes} must be >= 1")
+        passes = self.prefill_delayer_max_delay_passes
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"prefill_delayer_max_delay_passes={passes!r} must be an integer "
+                             f">= 1 (or turn the delayer off with --no-prefill-delayer)")
+        if not self.dp_group_timeout_s > 0:
+            raise ValueError(f"dp_group_timeout_s={self.dp_group_timeout_s} must be > 0 (seconds)")
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         wm = self.prefill_delayer_kv_low_watermark
@@ -120,7 +127,30 @@ class EngineConfig:
         return "bfloat16" if cpu_has_native_bf16() else "float32"
 
     def resolved_num_threads(self) -> int:
-        return self.num_threads or max(1, len(os.sched_getaffinity(0)))
+        """Torch threads of an engine core started with this config (see ``num_threads``)."""
+        return resolve_num_threads(self.num_threads)
+
+
+def resolve_num_threads(num_threads: int | None, *, num_local_ranks: int = 1,
+                        env: Mapping[str, str] | None = None, num_cpus: int | None = None) -> int:
+    """Torch intra-op threads for one of ``num_local_ranks`` engine processes on this node.
+
+    The one place the thread count is decided: ``num_threads`` when set; else
+    ``OMP_NUM_THREADS`` when set (by the user, or by whoever started this process with its
+    share: a launcher, the engine-core client); else the cores available to this process
+    (``num_cpus``, default its CPU affinity) divided by ``num_local_ranks``, at least 1.
+    """
+    if num_threads:
+        return num_threads
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    if num_cpus is None:
+        try:
+            num_cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            num_cpus = os.cpu_count() or 1
+    return max(1, num_cpus // num_local_ranks)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -134,7 +164,9 @@ def cpu_has_native_bf16() -> bool:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per EngineConfig field; defaults and help come from the dataclass."""
+    """Add one ``--flag`` per EngineConfig field; defaults and help come from the dataclass.
+    The parsed namespace gets ``runs_engine=True`` (:func:`config_from_args` applies)."""
+    parser.set_defaults(runs_engine=True)
     docs = _field_docs(EngineConfig)
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -165,7 +197,3 @@ def _field_docs(cls: type) -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
     return docs
-
-
-def replace(config: EngineConfig, **changes: Any) -> EngineConfig:
-    return dataclasses.replace(config, **changes)

@@ -6,10 +6,11 @@ token ids and logprobs per sampled sequence, and finishes). Text, stop strings a
 output assembly live in the front end (:mod:`atom.output_processor`).
 
 It runs in-process (:class:`atom.engine.LLMEngine`) or inside its own process
-(:mod:`atom.engine_core_proc`), whose busy loop calls :attr:`EngineCore.step_fn`: the seam the
-data-parallel loop wraps (control sync before the step, dummy batches) without this module
-importing ``atom.dp``; the DP loop calls the two halves of a step, :meth:`EngineCore.schedule`
-and :meth:`EngineCore.execute`, itself.
+(:mod:`atom.engine_core_proc`), whose busy loop calls :meth:`EngineCore.step`. The data-parallel
+loop (``atom.dp.engine_core_proc``, which this module never imports) calls the halves of a step
+itself, with the cross-rank exchanges between them: :meth:`EngineCore.schedule` (with the
+tick's prefill decision as a value), then :meth:`EngineCore.execute`, after
+:meth:`EngineCore.execute_dummy_batch` when this rank has nothing to run.
 
 What a step reports, per sequence:
 
@@ -29,15 +30,13 @@ Sequences finished from outside (:meth:`EngineCore.abort_requests`,
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from atom.block_manager import BlockManager
 from atom.config import EngineConfig
-from atom.messages import EngineCoreRequest, SeqOutput
+from atom.messages import EngineCoreRequest, EngineRuntime, SeqOutput, check_token_ids
 from atom.sampler import Sampler, top_logprobs
-from atom.scheduler import PrefillGate, Scheduler, SchedulerConfig, SchedulerOutput
+from atom.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.sequence import FinishReason, Sequence
 from atom.tbo import can_split
 
@@ -45,18 +44,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_DEFAULT_MODEL_LEN = 8192
 UTILITY_METHODS = ("get_stats", "reset_prefix_cache")  # what a UtilityCall may name
-
-
-@dataclass(frozen=True)
-class EngineRuntime:
-    """Values found at start-up (not user settings); the front end gets them in ReadyMessage."""
-
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    kv_cache_bytes: int
-    dtype: str
 
 
 class _RequestState:
@@ -78,7 +65,6 @@ class EngineCore:
 
     Args:
         config: engine options.
-        prefill_gate: the scheduler's prefill gate (the DP PrefillDelayer plugs in here).
         extra_eos_token_ids: EOS ids the front end knows besides the model config's (e.g. the
             tokenizer's ``eos_token_id``); the core has no tokenizer of its own.
 
@@ -86,8 +72,7 @@ class EngineCore:
         ValueError: invalid options or a model that cannot be loaded.
     """
 
-    def __init__(self, config: EngineConfig, *, prefill_gate: PrefillGate | None = None,
-                 extra_eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...] = ()):
         from atom.model_loader import load_model_weights
         from atom.model_runner import ModelRunner
 
@@ -98,7 +83,7 @@ class EngineCore:
         arch, weights = load_model_weights(config.model, dtype)
         max_model_len = config.max_model_len or min(arch.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
         bytes_per_block = ModelRunner.kv_cache_bytes_per_block(arch, dtype=dtype, block_size=config.block_size)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // bytes_per_block)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
@@ -119,14 +104,12 @@ class EngineCore:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill),
-            self.block_manager, eos_token_ids=eos, prefill_gate=prefill_gate)
+            self.block_manager, eos_token_ids=eos)
         self.sampler = Sampler(eos, seed=config.seed)
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[SeqOutput] = []  # finishes decided outside a step (rejections)
         self.num_aborted_seqs = 0
         self.num_front_end_finished_seqs = 0
-        # The busy loop calls this; the DP loop replaces it with a wrapper around ``step``.
-        self.step_fn = self.step
         logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
                     "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
                     num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
@@ -145,7 +128,7 @@ class EngineCore:
         empty or too long prompt, a duplicate id) is finished with ``error`` and its message,
         reported by the next :meth:`step`; this never raises for a bad request.
         """
-        params = request.sampling_params.to_params()
+        params = request.sampling_params
         seqs = [Sequence(request.request_id, list(request.prompt_token_ids), params, index=i,
                          arrival_time_s=request.arrival_time_s) for i in range(params.n)]
         if request.request_id in self._requests:
@@ -158,10 +141,7 @@ class EngineCore:
                            if params.prompt_logprobs is not None else None)
         self._requests[request.request_id] = _RequestState(seqs, prompt_logprobs)
         for seq in seqs:
-            if error is not None:
-                self.scheduler._finish(seq, FinishReason.ERROR, error_message=error)
-            else:
-                self.scheduler.add(seq)  # may reject (too long, empty): finishes it with error
+            self.scheduler.add(seq, error=error)  # may reject (too long, empty, bad ids)
             if seq.is_finished:
                 self._pending.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))
         self._forget_if_done(request.request_id)
@@ -170,6 +150,13 @@ class EngineCore:
         params = request.sampling_params
         return check_token_ids(request.prompt_token_ids, params.stop_token_ids,
                                list(params.logit_bias), vocab_size=self.runtime.vocab_size)
+
+    def fail_request(self, request_id: str, num_seqs: int, error: str) -> None:
+        """Finish a request the core could not even read (a malformed frame from the front end)
+        with ``error``: its ``num_seqs`` choices report the finish in the next step."""
+        self._pending += [SeqOutput(request_id=request_id, index=i, new_token_ids=[],
+                                    finish_reason=FinishReason.ERROR.value, error=error)
+                          for i in range(num_seqs)]
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Client aborts: finish every unfinished sequence with ``abort`` and free its KV blocks
@@ -228,17 +215,19 @@ class EngineCore:
         loop splits only when every rank's answer is yes)."""
         return self.config.enable_tbo and can_split(sched.scheduled)
 
-    def schedule(self) -> SchedulerOutput:
-        """The first half of :meth:`step`: pick this tick's batch (consults the prefill gate).
-        The DP loop exchanges the batch shape between :meth:`schedule` and :meth:`execute`."""
-        return self.scheduler.schedule()
+    def schedule(self, *, allow_prefill: bool = True) -> SchedulerOutput:
+        """The first half of :meth:`step`: pick this tick's batch (``allow_prefill=False`` holds
+        every prefill: the cross-rank decision of the tick). The DP loop exchanges the batch
+        shape between :meth:`schedule` and :meth:`execute`."""
+        return self.scheduler.schedule(allow_prefill=allow_prefill)
 
     def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                 ) -> list[SeqOutput]:
         """The second half of :meth:`step`: forward (as two micro-batches with
         ``two_batch_overlap``), sample, postprocess ``sched`` (from :meth:`schedule` of this
-        tick). An empty ``sched`` runs no forward here (the DP loop runs its dummy batch itself)
-        but still reports finishes decided outside a forward."""
+        tick). An empty ``sched`` runs no forward here (a DP rank runs
+        :meth:`execute_dummy_batch` for it first) but still reports finishes decided outside a
+        forward."""
         outputs, self._pending = self._pending, []
         for seq in sched.preempted:
             if seq.is_finished:  # cut: the pool cannot hold this sequence even alone
@@ -249,6 +238,12 @@ class EngineCore:
         # KV events are not published yet (no subscriber): drop them so they do not pile up.
         self.block_manager.take_events()
         return outputs
+
+    def execute_dummy_batch(self, *, two_batch_overlap: bool = False) -> None:
+        """A forward over zero tokens that writes no KV: a DP rank with nothing to run takes
+        this step so that it issues the same collectives (MoE dispatch/combine, split the same
+        way with ``two_batch_overlap``) as the ranks that do."""
+        self.runner.execute_model([], two_batch_overlap=two_batch_overlap)
 
     def _execute(self, sched: SchedulerOutput, two_batch_overlap: bool) -> list[SeqOutput]:
         model_out = self.runner.execute_model(sched.scheduled, two_batch_overlap=two_batch_overlap)
@@ -335,17 +330,6 @@ class EngineCore:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}; known: {list(UTILITY_METHODS)}")
         return getattr(self, method)()
-
-
-def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int], logit_bias_ids: list[int],
-                    *, vocab_size: int) -> str | None:
-    """Why a request's token ids cannot run (an id outside ``[0, vocab_size)``), or None."""
-    for what, ids in (("prompt token ids", prompt_token_ids), ("stop_token_ids", stop_token_ids),
-                      ("logit_bias token ids", logit_bias_ids)):
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-        if bad:
-            return f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-    return None
 
 
 def _finish_output(seq: Sequence, reason: FinishReason | None, *, error: str | None) -> SeqOutput:

@@ -1,21 +1,23 @@
 """The EngineCore process: the busy loop between the input and output ZMQ sockets.
 
-Started by :class:`atom.engine_core_client.EngineCoreClient` as::
+Started by :class:`atom.engine_core_client.MPClient` (one rank) as::
 
     python -m atom.engine_core_proc --config-json '{...EngineConfig fields...}' \\
-        --input-addr ADDR --output-addr ADDR --dp-rank 0 [--extra-eos-token-ids 2 ...]
+        --input-addr ADDR --output-addr ADDR [--extra-eos-token-ids 2 ...] [--log-level L]
 
 The front end binds both sockets; this process connects a PULL socket to ``--input-addr``
 (:data:`~atom.messages.CoreInput` frames) and a PUSH socket to ``--output-addr``
 (:data:`~atom.messages.CoreOutput` frames). Every frame is msgspec msgpack; nothing is pickled
-(the config travels as JSON of :class:`~atom.config.EngineConfig` fields).
+(the config travels as JSON of :class:`~atom.config.EngineConfig` fields). A DP rank
+(:mod:`atom.dp.engine_core_proc`) takes the same arguments and runs the same :func:`run_process`
+skeleton with its own body; its DP rank comes from ``RANK`` in its environment.
 
 Lifecycle and exit codes:
 
 - after the weights are loaded and the KV pool sized, one :class:`~atom.messages.ReadyMessage`;
 - the loop: with no work, block on the input socket (no busy spinning; it wakes once a second
   only to notice a dead parent); with work, drain every pending input without blocking, then
-  :attr:`EngineCore.step_fn`, then send the step's outputs (if any);
+  :meth:`EngineCore.step`, then send the step's outputs (if any);
 - :class:`~atom.messages.Shutdown` (or SIGTERM) → exit 0; the parent gone → exit 0;
 - an exception in start-up or the loop → the traceback on stderr, nothing more is sent,
   exit 1. A client notices the exit code (``EngineDeadError``).
@@ -33,7 +35,7 @@ import os
 import signal
 import sys
 import time
-
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -54,6 +56,7 @@ from atom.messages import (
     UtilityResult,
     decode_input,
     encode,
+    request_of_bad_frame,
 )
 
 if TYPE_CHECKING:
@@ -64,8 +67,19 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000  # idle wake-up period, only to notice that the parent died
 
 
-class _ShutdownRequested(BaseException):
+class ShutdownRequested(BaseException):
     """SIGTERM arrived: leave the loop as if a Shutdown message had."""
+
+
+def install_signal_handlers() -> None:
+    """SIGINT ignored (the front end or the launcher owns the lifecycle); SIGTERM raises
+    :class:`ShutdownRequested` in the main thread."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise ShutdownRequested()
 
 
 class EngineCoreProc:
@@ -92,11 +106,7 @@ class EngineCoreProc:
         self._shutdown = False
 
     def send_ready(self) -> None:
-        rt = self.core.runtime
-        self._output.send(encode(ReadyMessage(
-            dp_rank=self.dp_rank, num_kv_blocks=rt.num_kv_blocks, max_model_len=rt.max_model_len,
-            vocab_size=rt.vocab_size, eos_token_ids=list(rt.eos_token_ids),
-            kv_cache_bytes=rt.kv_cache_bytes, dtype=rt.dtype)))
+        self._output.send(encode(ReadyMessage(dp_rank=self.dp_rank, runtime=self.core.runtime)))
 
     def run_busy_loop(self) -> None:
         """Run until Shutdown, SIGTERM or the parent's death. Exceptions propagate.
@@ -105,23 +115,22 @@ class EngineCoreProc:
         block or step) and reuses :meth:`process_inputs` and :meth:`send_outputs`.
         """
         while not self._shutdown:
-            if os.getppid() != self._parent_pid:  # cheap; outputs would pile up unread
+            if self.parent_is_gone():  # cheap; outputs would pile up unread
                 logger.warning("[dp%d] the front end process is gone: exiting", self.dp_rank)
                 return
             self.process_inputs(block=not self.core.has_work())
             if self._shutdown or not self.core.has_work():
                 continue
-            self.send_outputs(self.core.step_fn())
+            self.send_outputs(self.core.step())
+
+    def parent_is_gone(self) -> bool:
+        return os.getppid() != self._parent_pid
 
     def send_outputs(self, outputs: list[SeqOutput]) -> None:
         """Send one step's sequence outputs as one frame (nothing for an empty step)."""
         if outputs:
             self._output.send(encode(EngineCoreOutputs(
                 dp_rank=self.dp_rank, outputs=outputs, timestamp_s=time.monotonic())))
-
-    @property
-    def shutdown_requested(self) -> bool:
-        return self._shutdown
 
     def process_inputs(self, *, block: bool) -> None:
         """Handle every pending input; with ``block``, first wait up to ``_IDLE_POLL_MS`` for
@@ -134,12 +143,23 @@ class EngineCoreProc:
             try:
                 message = decode_input(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                # a front-end bug, tied to no request: drop the frame, keep serving the others
-                logger.error("[dp%d] dropped a malformed input frame: %s", self.dp_rank, exc)
+                self._reject_frame(frame, exc)
                 continue
             self.handle_input(message)
             if self._shutdown:
                 return
+
+    def _reject_frame(self, frame: bytes, exc: Exception) -> None:
+        """A frame the core cannot read (a front-end bug): a request in it fails alone (its
+        choices finish with the error); anything else is dropped. The core keeps serving."""
+        request = request_of_bad_frame(frame)
+        if request is None:
+            logger.error("[dp%d] dropped a malformed input frame: %s", self.dp_rank, exc)
+            return
+        request_id, num_seqs = request
+        logger.error("[dp%d] request %r is malformed: %s", self.dp_rank, request_id, exc)
+        self.core.fail_request(request_id, num_seqs, f"the engine core could not read the "
+                                                     f"request: {exc}")
 
     def handle_input(self, message: CoreInput) -> None:
         core = self.core
@@ -170,49 +190,57 @@ class EngineCoreProc:
         self._ctx.destroy(linger=1000)
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m atom.engine_core_proc",
-                                     description="one EngineCore process (started by the front end)")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments :func:`atom.engine_core_client.core_argv` writes (both core processes)."""
+    parser = argparse.ArgumentParser(description="an engine-core process (started by the front end)")
     parser.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
     parser.add_argument("--input-addr", required=True)
     parser.add_argument("--output-addr", required=True)
-    parser.add_argument("--dp-rank", type=int, default=0)
     parser.add_argument("--extra-eos-token-ids", type=int, nargs="*", default=[])
     parser.add_argument("--log-level", default="WARNING")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.config = EngineConfig.from_kwargs(**json.loads(args.config_json))
+    return args
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise _ShutdownRequested()
+def run_process(argv: list[str] | None, body: Callable[[argparse.Namespace], None]) -> int:
+    """The ``main()`` of both engine-core processes: signal handlers, arguments, rank-prefixed
+    logging, then ``body(args)`` (``args.config`` is the parsed :class:`EngineConfig`).
+
+    Returns the exit code: 0 after a clean shutdown (Shutdown, SIGTERM, the parent gone), 1
+    when start-up or the loop raised (the traceback is logged on stderr).
+    """
+    install_signal_handlers()
+    rank_label = os.environ.get("RANK", "0")
+    try:
+        args = parse_args(argv)
+        logging.basicConfig(level=args.log_level.upper(),
+                            format=f"%(levelname)s [dp{rank_label}] %(name)s: %(message)s")
+        body(args)
+    except ShutdownRequested:
+        logger.info("[dp%s] SIGTERM: shutting down", rank_label)
+    except Exception:
+        logger.exception("engine core (dp rank %s) failed; exiting", rank_label)
+        return 1
+    return 0
+
+
+def _run_one_rank(args: argparse.Namespace) -> None:
+    # imported here, after the signal handlers: torch takes seconds to import
+    from atom.engine_core import EngineCore
+
+    core = EngineCore(args.config, extra_eos_token_ids=tuple(args.extra_eos_token_ids))
+    proc = EngineCoreProc(core, input_addr=args.input_addr, output_addr=args.output_addr)
+    try:
+        proc.send_ready()
+        proc.run_busy_loop()
+    finally:
+        proc.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one EngineCore process; returns its exit code (0 on a clean shutdown, 1 on error)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    args = _parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(levelname)s [dp{args.dp_rank}] %(name)s: %(message)s")
-    proc = None
-    try:
-        # imported here, after the signal handlers: torch takes seconds to import
-        from atom.engine_core import EngineCore
-
-        config = EngineConfig.from_kwargs(**json.loads(args.config_json))
-        core = EngineCore(config, extra_eos_token_ids=tuple(args.extra_eos_token_ids))
-        proc = EngineCoreProc(core, input_addr=args.input_addr, output_addr=args.output_addr,
-                              dp_rank=args.dp_rank)
-        proc.send_ready()
-        proc.run_busy_loop()
-    except _ShutdownRequested:
-        logger.info("SIGTERM: shutting down")
-    except Exception:
-        logger.exception("engine core (dp rank %d) failed; exiting", args.dp_rank)
-        return 1
-    finally:
-        if proc is not None:
-            proc.close()
-    return 0
+    """Run one single-rank engine-core process; returns its exit code."""
+    return run_process(argv, _run_one_rank)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,18 @@ Front end → engine core (one ZMQ PUSH → PULL stream per core):
     :class:`EngineCoreRequest`, :class:`AbortRequests`, :class:`FinishRequests`,
     :class:`UtilityCall`, :class:`StartWave`, :class:`Shutdown`.
 Engine core → front end (PUSH → PULL, all cores into one socket):
-    :class:`ReadyMessage`, :class:`EngineCoreOutputs`, :class:`UtilityResult`,
-    :class:`WaveWakeup` (DP only).
+    :class:`ReadyMessage` (carrying the :class:`EngineRuntime`), :class:`EngineCoreOutputs`,
+    :class:`UtilityResult`, :class:`WaveWakeup` (DP only).
 
 Token ids only cross the socket: tokenization, detokenization and stop strings live in the
-front end (DESIGN.md, "Processes and data flow").
+front end (docs/ARCHITECTURE.md). One struct per concept: a request's sampling parameters travel
+as the :class:`~atom.sampling_params.SamplingParams` the user built (a msgspec struct), and the
+runtime values a core found at start-up as the :class:`EngineRuntime` the front end keeps.
+
+Validation runs twice, once per boundary: at the API (``SamplingParams`` is checked when it is
+built; the OpenAI server also runs :func:`check_token_ids` to answer 400) and at the core
+(decoding a request re-runs ``SamplingParams.__post_init__``; the core runs
+:func:`check_token_ids` against its vocabulary). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -18,41 +25,44 @@ import msgspec
 from atom.sampling_params import SamplingParams
 
 
-class SamplingParamsMsg(msgspec.Struct, frozen=True):
-    """Wire form of :class:`SamplingParams` (same field names)."""
+class EngineRuntime(msgspec.Struct, frozen=True):
+    """Values a core found at start-up (not user settings), sent in its :class:`ReadyMessage`.
 
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    max_tokens: int | None
-    min_tokens: int
-    stop: list[str]
-    stop_token_ids: list[int]
-    include_stop_str_in_output: bool
-    ignore_eos: bool
-    seed: int | None
-    logprobs: int | None
-    prompt_logprobs: int | None
-    skip_special_tokens: bool
-    logit_bias: dict[int, float]
+    Attributes:
+        num_kv_blocks: blocks in the KV pool.
+        max_model_len: max tokens (prompt + output) per sequence.
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        eos_token_ids: ids that end a sequence (model config and tokenizer).
+        kv_cache_bytes: bytes of the KV pool.
+        dtype: the run dtype, ``"float32"`` or ``"bfloat16"``.
+    """
 
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> "SamplingParamsMsg":
-        return cls(**{f: getattr(params, f) for f in cls.__struct_fields__})
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_cache_bytes: int
+    dtype: str
 
-    def to_params(self) -> SamplingParams:
-        return SamplingParams(**{f: getattr(self, f) for f in self.__struct_fields__})
+
+def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],
+                    logit_bias_ids: list[int], *, vocab_size: int) -> str | None:
+    """Why a request's token ids cannot run (an id outside ``[0, vocab_size)``), or None."""
+    for what, ids in (("prompt token ids", prompt_token_ids), ("stop_token_ids", stop_token_ids),
+                      ("logit_bias token ids", logit_bias_ids)):
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            return f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
+    """A request as the core sees it: token ids, sampling parameters, arrival time (seconds,
+    ``time.monotonic()`` of the front end) and the DP wave the front end believed current."""
+
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParamsMsg
+    sampling_params: SamplingParams
     arrival_time_s: float
     wave_id: int = 0
 
@@ -126,13 +136,10 @@ class WaveWakeup(msgspec.Struct, tag="wave_wakeup", frozen=True):
 
 
 class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
+    """A core loaded its weights and sized its KV pool."""
+
     dp_rank: int
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    kv_cache_bytes: int
-    dtype: str
+    runtime: EngineRuntime
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
@@ -150,12 +157,33 @@ _output_decoder = msgspec.msgpack.Decoder(CoreOutput)
 
 
 def encode(message: CoreInput | CoreOutput) -> bytes:
+    """Raises ``OverflowError`` / ``msgspec.EncodeError`` for a value msgpack cannot hold."""
     return _encoder.encode(message)
 
 
 def decode_input(data: bytes) -> CoreInput:
-    """Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` on a malformed frame."""
+    """Raises ``msgspec.DecodeError`` (not msgpack) / ``msgspec.ValidationError`` (a wrong
+    shape, or sampling parameters that fail their checks) on a bad frame."""
     return _input_decoder.decode(data)
+
+
+def request_of_bad_frame(data: bytes) -> tuple[str, int] | None:
+    """``(request_id, n)`` of a request frame that :func:`decode_input` rejected, so the core can
+    finish its ``n`` choices with an error instead of leaving them hanging; None when the frame
+    is not recognisably a request (garbage, or another message)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "add" or not isinstance(
+            raw.get("request_id"), str):
+        return None
+    params = raw.get("sampling_params")
+    n = params.get("n") if isinstance(params, dict) else None
+    return raw["request_id"], n if isinstance(n, int) and 1 <= n <= _MAX_N_OF_BAD_FRAME else 1
+
+
+_MAX_N_OF_BAD_FRAME = 1024  # a bad frame's own n is trusted only this far
 
 
 def decode_output(data: bytes) -> CoreOutput:

@@ -117,10 +117,6 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End a tracked request with ``error`` (e.g. it could not be sent); its final output,
         or None for an unknown id."""

@@ -1,15 +1,19 @@
-"""Sampling parameters of one request (vLLM's names and meanings)."""
+"""Sampling parameters of one request (vLLM's names and meanings).
+
+A msgspec struct, so that the very object a user builds is what travels to the engine core
+(:class:`atom.messages.EngineCoreRequest`): one definition of the concept. Decoding it runs
+``__post_init__`` again, which is the core boundary's check. Imports no torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 _MAX_LOGPROBS = 20
 _MIN_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's _SAMPLING_EPS)
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct):
     """How to sample the output tokens of one request.
 
     Every field is implemented; invalid values raise ``ValueError`` naming the field and the
@@ -51,15 +55,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = {}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -8,9 +8,9 @@ reserves blocks for the sequence's current tokens (its prompt), not for ``max_to
 decode that finds no free block preempts the newest running sequence (recompute: its blocks are
 freed and it returns to the front of the waiting queue keeping its output tokens).
 
-The scheduler alone mutates sequence state. It imports no torch. A *prefill gate*, consulted
-once per step, may hold all prefill work (admissions and partial-prefill chunks) for a step; the
-data-parallel PrefillDelayer in ``atom.dp`` implements it. ``num_admittable`` is a
+The scheduler alone mutates sequence state. It imports no torch. ``schedule(allow_prefill=False)``
+holds all prefill work (admissions and partial-prefill chunks) for one step: the cross-rank
+decision (the PrefillDelayer in ``atom.dp``) arrives as that plain value. ``num_admittable`` is a
 side-effect-free dry run of the same admission function, which the PrefillDelayer gathers across
 ranks (lineage: SGLang #14201, ATOM #930).
 """
@@ -20,25 +20,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from atom.block_manager import BlockManager, DryRunClaims
 from atom.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-
-class PrefillGate(Protocol):
-    """Decides, once per step, whether this rank may run prefill work."""
-
-    def allow_prefill(self) -> bool: ...
-
-
-class AlwaysAllowPrefill:
-    """The single-rank gate: prefills are never held."""
-
-    def allow_prefill(self) -> bool:
-        return True
 
 
 @dataclass(frozen=True)
@@ -57,7 +43,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    prefill_held: bool = False  # the gate held prefill work that could otherwise have run
+    prefill_held: bool = False  # allow_prefill=False held prefill work that could have run
 
     @property
     def num_batched_tokens(self) -> int:
@@ -79,27 +65,26 @@ class Scheduler:
         config: budgets and limits.
         block_manager: the rank's KV block pool (the scheduler is its only caller).
         eos_token_ids: token ids that end a sequence unless ``ignore_eos``.
-        prefill_gate: consulted once per ``schedule()``; default never holds.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
-                 eos_token_ids: tuple[int, ...] = (), prefill_gate: PrefillGate | None = None):
+                 eos_token_ids: tuple[int, ...] = ()):
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.prefill_gate: PrefillGate = prefill_gate or AlwaysAllowPrefill()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     # ----- queue entry and exit -----
 
-    def add(self, seq: Sequence) -> bool:
-        """Queue ``seq``; a sequence that can never run is finished at once with ``error``.
+    def add(self, seq: Sequence, *, error: str | None = None) -> bool:
+        """Queue ``seq``; a sequence that can never run is finished at once with ``error``
+        (``error``: a reason the caller found, e.g. token ids outside the vocabulary).
 
         Returns False when the sequence was rejected (``seq.error_message`` says why).
         """
-        reason = self._never_fits(len(seq.token_ids))
+        reason = error if error is not None else self._never_fits(len(seq.token_ids))
         if reason is not None:
             self._finish(seq, FinishReason.ERROR, error_message=reason)
             return False
@@ -117,7 +102,7 @@ class Scheduler:
         if bm.num_required_blocks(num_tokens) > bm.num_blocks:
             return (f"the prompt needs {bm.num_required_blocks(num_tokens)} KV blocks but the "
                     f"whole pool has {bm.num_blocks}: shorten it or raise num_kv_blocks / "
-                    f"kv_cache_memory")
+                    f"kv_cache_memory_bytes")
         if not cfg.enable_chunked_prefill and num_tokens > cfg.max_num_batched_tokens:
             return (f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
                     f"{cfg.max_num_batched_tokens} with chunked prefill off: enable chunked "
@@ -243,10 +228,14 @@ class Scheduler:
 
     # ----- the step -----
 
-    def schedule(self) -> SchedulerOutput:
-        """Build the next step's batch (see the module docstring for the policy)."""
+    def schedule(self, *, allow_prefill: bool = True) -> SchedulerOutput:
+        """Build the next step's batch (see the module docstring for the policy).
+
+        Args:
+            allow_prefill: False holds every prefill (admissions and partial-prefill chunks)
+                for this step; decodes still run. The DP loop passes the cross-rank decision.
+        """
         out = SchedulerOutput()
-        allow_prefill = self.prefill_gate.allow_prefill()
         token_budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -277,8 +266,8 @@ class Scheduler:
             if victim is seq and len(self.running) == 1:
                 # alone and still out of blocks: the pool is smaller than this sequence
                 self.running.remove(seq)
-                self._finish(seq, FinishReason.LENGTH,
-                             error_message="the KV pool is full: raise num_kv_blocks / kv_cache_memory")
+                self._finish(seq, FinishReason.LENGTH, error_message="the KV pool is full: raise "
+                             "num_kv_blocks / kv_cache_memory_bytes")
                 out.preempted.append(seq)
                 return False
             self._preempt(victim, out)
@@ -354,10 +343,3 @@ class Scheduler:
         if len(seq.token_ids) >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
-
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every unfinished sequence of ``request_id`` with ``abort``; frees its blocks."""
-        seqs = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
-        for seq in seqs:
-            self.finish(seq, FinishReason.ABORT)
-        return seqs

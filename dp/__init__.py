@@ -1,6 +1,6 @@
 """atom.dp: everything that spans ranks (process groups, per-tick sync, PrefillDelayer, DP engine loop, EP collectives, DP front end).
 
-Modules: ``groups`` (rank contract, process groups), ``collectives`` (the only way to issue a
+Modules: ``rank_contract`` (the rank contract, torch-free), ``groups`` (process groups), ``collectives`` (the only way to issue a
 collective; lockstep check) with ``collective_log``, ``sync`` (the per-tick control and
 batch-shape vectors), ``prefill_delayer`` (cross-rank prefill alignment), ``engine_core_proc``
 (the DP rank process and its lockstep loop: control sync, dummy batches, waves), ``router`` (the

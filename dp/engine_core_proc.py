@@ -4,13 +4,13 @@ Started by :class:`atom.dp.dp_client.DPEngineCoreClient` as::
 
     python -m atom.dp.engine_core_proc --config-json '{...}' --input-addr ADDR --output-addr ADDR
 
-with the same arguments as :mod:`atom.engine_core_proc`, plus the rank contract in the
-environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; see
-:mod:`atom.dp.groups`). The DP rank comes from the environment (``--dp-rank`` is ignored).
-Under a launcher (``atom launch``, torchrun) the ``atom`` command itself is the rank process
-and calls :func:`run_rank` (:mod:`atom.entrypoints.launched`).
+with the same arguments and the same ``main()`` skeleton as :mod:`atom.engine_core_proc`
+(:func:`atom.engine_core_proc.run_process`), plus the rank contract in the environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; see :mod:`atom.dp.groups`), from which the DP
+rank comes. Under a launcher (``atom launch``, torchrun) the ``atom`` command itself is the
+rank process and calls :func:`run_rank` (:mod:`atom.entrypoints.launched`).
 
-Per tick, on every rank, in this order (DESIGN.md, "Processes and data flow"), with no early
+Per tick, on every rank, in this order (docs/ARCHITECTURE.md, "The DP tick"), with no early
 return before the control sync:
 
 1. drain the input socket without blocking;
@@ -19,11 +19,11 @@ return before the control sync:
    together. No rank has work → the wave ends: every rank increments its wave counter, rank 0
    reports ``wave_complete`` to the front end, and every rank goes idle (blocks on its input
    socket: no collectives, no spinning);
-3. ``PrefillDelayer.decide`` on the gathered values, then schedule (the scheduler consults the
-   delayer through its prefill gate);
+3. ``decision = PrefillDelayer.decide(gathered)``, then
+   ``EngineCore.schedule(allow_prefill=decision.allow)``: the decision travels as a value;
 4. batch-shape exchange (:func:`atom.dp.sync.exchange_batch_shape`);
-5. forward: the real step, or a dummy batch (a zero-token forward that writes no KV) when this
-   rank has nothing to run — the same collectives either way;
+5. forward: the real step, or ``EngineCore.execute_dummy_batch`` (a zero-token forward that
+   writes no KV) when this rank has nothing to run — the same collectives either way;
 6. send the outputs.
 
 Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
@@ -40,10 +40,8 @@ first tick and no empty wave is run.)
 
 from __future__ import annotations
 
-import json
+import argparse
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -51,7 +49,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
-from atom.engine_core_proc import EngineCoreProc, _on_sigterm, _parse_args, _ShutdownRequested
+from atom.engine_core_proc import EngineCoreProc, run_process
 from atom.messages import (
     CoreInput,
     EngineCoreOutputs,
@@ -70,8 +68,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCKSTEP_CHECK_EVERY = 64  # ticks between collective-hash comparisons
-GROUP_TIMEOUT_ENV = "ATOM_DP_GROUP_TIMEOUT_S"
-_DEFAULT_GROUP_TIMEOUT_S = 600.0
 
 
 class DPEngineCoreProc(EngineCoreProc):
@@ -79,8 +75,8 @@ class DPEngineCoreProc(EngineCoreProc):
     handling; replaces :meth:`run_busy_loop`.
 
     Args:
-        core: the loaded engine core, built with ``delayer`` as its prefill gate.
-        delayer: this rank's PrefillDelayer.
+        core: the loaded engine core.
+        delayer: this rank's PrefillDelayer (its decision is passed to ``core.schedule``).
         groups: the process groups (control and device).
         input_addr, output_addr: the front end's ZMQ endpoints.
         front_end: the front end, when this rank started it as its child (rank 0 under a
@@ -163,7 +159,7 @@ class DPEngineCoreProc(EngineCoreProc):
             CollectiveError: a collective failed (a peer died, or the group timed out).
         """
         while True:
-            if os.getppid() != self._parent_pid:
+            if self.parent_is_gone():
                 logger.warning("[dp%d] the parent process is gone: exiting", self.dp_rank)
                 return
             self._check_front_end()
@@ -200,8 +196,7 @@ class DPEngineCoreProc(EngineCoreProc):
         state = ControlState(
             has_work=core.has_work(), shutdown=self._shutdown,
             num_admittable=inputs.num_admittable, has_pending_prefill=inputs.has_pending_prefill,
-            kv_usage_ppm=inputs.kv_usage_ppm, kv_below_low_watermark=inputs.kv_below_low_watermark,
-            wave_id=self.wave_id, tick=self.tick)
+            kv_usage_ppm=inputs.kv_usage_ppm, wave_id=self.wave_id, tick=self.tick)
         gathered = exchange_control(state, self.groups.control)
         self.tick += 1
         log = process_collective_log()
@@ -215,8 +210,8 @@ class DPEngineCoreProc(EngineCoreProc):
             return False
         if self.tick % LOCKSTEP_CHECK_EVERY == 0:
             check_lockstep(log, self.groups.control)
-        self.delayer.decide(gathered)
-        sched = core.schedule()
+        decision = self.delayer.decide(gathered)
+        sched = core.schedule(allow_prefill=decision.allow)
         is_dummy = sched.is_empty
         shapes = exchange_batch_shape(BatchShape(
             num_tokens=sched.num_batched_tokens, num_seqs=len(sched.scheduled),
@@ -230,7 +225,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.num_mixed_prefill_steps += shapes.mixed_prefill
         self.num_tbo_steps += tbo
         if is_dummy:  # same forward (and collectives) on zero tokens
-            core.runner.execute_model([], two_batch_overlap=tbo)
+            core.execute_dummy_batch(two_batch_overlap=tbo)
             self.num_dummy_steps += 1
         else:
             self.num_real_steps += 1
@@ -250,12 +245,8 @@ class DPEngineCoreProc(EngineCoreProc):
                      self.tick)
 
 
-def _group_timeout_s() -> float:
-    return float(os.environ.get(GROUP_TIMEOUT_ENV, "") or _DEFAULT_GROUP_TIMEOUT_S)
-
-
 def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
-             endpoints: Callable[[DPGroups], tuple[str, str]], store=None,
+             endpoints: Callable[[DPGroups], tuple[str, str]],
              front_end: subprocess.Popen | None = None) -> None:
     """Run this process as one DP rank until the ranks stop together.
 
@@ -267,28 +258,22 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         config: engine options (``data_parallel_size`` is the world size).
         extra_eos_token_ids: the tokenizer's EOS ids (the core has no tokenizer).
         endpoints: where the front end's sockets are (it may wait for them to be published).
-        store: the rendezvous store a launcher hosts (None: rank 0 hosts one).
         front_end: the front end, when this rank started it (see :class:`DPEngineCoreProc`).
     Raises:
         Whatever start-up or the loop raises (LockstepError, CollectiveError, ...); SIGTERM
-        arrives as ``_ShutdownRequested`` once the handler is installed.
+        arrives as ``ShutdownRequested`` once the handler is installed.
     """
     from atom.dp.groups import RankInfo, init_process_groups
-    from atom.dp.prefill_delayer import PrefillDelayer, PrefillDelayerConfig
+    from atom.dp.prefill_delayer import PrefillDelayer
     from atom.engine_core import EngineCore
 
     info = RankInfo.from_env()
     if config.data_parallel_size != info.dp_size:
         raise ValueError(f"data_parallel_size={config.data_parallel_size} but WORLD_SIZE gives "
                          f"{info.dp_size} DP ranks")
-    delayer = PrefillDelayer(PrefillDelayerConfig(
-        enabled=config.resolved_prefill_delayer(),
-        max_delay_passes=config.prefill_delayer_max_delay_passes,
-        kv_low_watermark=config.prefill_delayer_kv_low_watermark,
-        tbo_enabled=config.enable_tbo), dp_rank=info.dp_rank)
-    core = EngineCore(config, prefill_gate=delayer, extra_eos_token_ids=extra_eos_token_ids)
+    core = EngineCore(config, extra_eos_token_ids=extra_eos_token_ids)
     proc = None
-    groups = init_process_groups(info, timeout_s=_group_timeout_s(), store=store)
+    groups = init_process_groups(info, timeout_s=config.dp_group_timeout_s)
     try:
         expert_parallel = None
         if config.enable_expert_parallel:
@@ -297,6 +282,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
             expert_parallel = apply_expert_parallel(core.runner.model, groups.device,
                                                     rank=info.dp_rank, world_size=info.dp_size)
         input_addr, output_addr = endpoints(groups)
+        delayer = PrefillDelayer(config, dp_rank=info.dp_rank)
         proc = DPEngineCoreProc(core, delayer, groups, input_addr=input_addr,
                                 output_addr=output_addr, front_end=front_end,
                                 expert_parallel=expert_parallel)
@@ -308,25 +294,15 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         groups.destroy()
 
 
+def _run_spawned_rank(args: argparse.Namespace) -> None:
+    run_rank(args.config, extra_eos_token_ids=tuple(args.extra_eos_token_ids),
+             endpoints=lambda groups: (args.input_addr, args.output_addr))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one DP rank started by the DP client; returns its exit code (0 on a clean
     shutdown, 1 on error)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    args = _parse_args(argv)
-    rank_label = os.environ.get("RANK", "?")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(levelname)s [dp{rank_label}] %(name)s: %(message)s")
-    try:
-        run_rank(EngineConfig.from_kwargs(**json.loads(args.config_json)),
-                 extra_eos_token_ids=tuple(args.extra_eos_token_ids),
-                 endpoints=lambda groups: (args.input_addr, args.output_addr))
-    except _ShutdownRequested:
-        logger.info("SIGTERM: shutting down")
-    except Exception:
-        logger.exception("DP engine core (rank %s) failed; exiting", rank_label)
-        return 1
-    return 0
+    return run_process(argv, _run_spawned_rank)
 
 
 if __name__ == "__main__":

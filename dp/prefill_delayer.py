@@ -8,9 +8,10 @@ ranks with pending prefill work could admit one, for a bounded number of ticks.
 
 Per tick, each rank computes its inputs from the scheduler's own admission dry run
 (:meth:`PrefillDelayer.local_inputs`), the control sync gathers them (:mod:`atom.dp.sync`), and
-:meth:`PrefillDelayer.decide` turns the gathered values into one decision, identical on every
-rank; the scheduler then reads it through the prefill gate (:meth:`allow_prefill`). A rank is
-*ready* when ``num_admittable >= 1`` (``>= 2`` with TBO on: a split needs two prefills).
+:meth:`PrefillDelayer.decide` turns the gathered values into one :class:`Decision`, identical on
+every rank, which the DP loop hands to the scheduler as a plain value
+(``schedule(allow_prefill=decision.allow)``). A rank is *ready* when ``num_admittable >= 1``
+(``>= 2`` with TBO on: a split needs two prefills).
 
 ================  ===============================================================  =========
 status            condition (over the gathered ranks)                              decision
@@ -19,7 +20,8 @@ status            condition (over the gathered ranks)                           
 ``all``           every rank with pending prefill work is ready (ranks without     allow
                   pending work have nothing to align and hold no one)
 ``mixed``         some ranks with pending work are ready, others are not           hold …
-  ↳ watermark     … unless a ready rank's KV usage is below the low watermark      allow
+  ↳ watermark     … unless a ready rank's gathered KV usage is below the low       allow
+                  watermark
   ↳ timeout       … unless ``max_delay_passes`` holds ran back to back             allow
 ================  ===============================================================  =========
 
@@ -43,6 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
+from atom.config import EngineConfig
 from atom.dp.groups import rank_logger
 from atom.dp.sync import GatheredControl, kv_usage_to_ppm
 
@@ -50,42 +53,6 @@ logger = logging.getLogger(__name__)
 
 # num_admittable is capped: readiness needs at most 2, and a small cap keeps the dry run short
 MAX_NUM_ADMITTABLE = 4
-
-
-@dataclass(frozen=True)
-class PrefillDelayerConfig:
-    """Settings of the delayer (identical on every rank; the CLI flags map one to one).
-
-    Attributes:
-        enabled: hold prefills at all (``--prefill-delayer``; on when DP > 1). A disabled
-            delayer still classifies every tick (for metrics) but always allows.
-        max_delay_passes: most consecutive ticks a ``mixed`` hold may last before it is
-            released (``timeout``). 30 ticks is a few decode steps' worth of TTFT at most.
-        kv_low_watermark: KV usage fraction in (0, 1); a ready rank below it releases a hold
-            (its pool is underused, so waiting wastes capacity). None (default) turns it off.
-        tbo_enabled: two-batch overlap is on, so readiness needs 2 admittable prefills.
-        log_every_n_decisions: log the counters every N decisions at INFO; None never.
-    Raises:
-        ValueError: from ``__post_init__`` for a value out of range.
-    """
-
-    enabled: bool = True
-    max_delay_passes: int = 30
-    kv_low_watermark: float | None = None
-    tbo_enabled: bool = False
-    log_every_n_decisions: int | None = 1000
-
-    def __post_init__(self):
-        if (isinstance(self.max_delay_passes, bool) or not isinstance(self.max_delay_passes, int)
-                or self.max_delay_passes < 1):
-            raise ValueError(f"max_delay_passes={self.max_delay_passes!r}: use an integer >= 1 "
-                             f"(or disable the delayer)")
-        if self.kv_low_watermark is not None and not 0.0 < self.kv_low_watermark < 1.0:
-            raise ValueError(f"kv_low_watermark={self.kv_low_watermark!r}: use a fraction in "
-                             f"(0, 1), or None to turn the valve off")
-        if self.log_every_n_decisions is not None and self.log_every_n_decisions < 1:
-            raise ValueError(f"log_every_n_decisions={self.log_every_n_decisions!r}: use an "
-                             f"integer >= 1, or None to never log")
 
 
 class AlignmentStatus(enum.Enum):
@@ -127,7 +94,6 @@ class PrefillInputs:
     num_admittable: int
     has_pending_prefill: bool
     kv_usage_ppm: int
-    kv_below_low_watermark: bool
 
 
 class _KVPool(Protocol):
@@ -146,18 +112,36 @@ class AdmissionSource(Protocol):
 
 
 class PrefillDelayer:
-    """The DP prefill gate of one rank: owns the hold counter and the decision counters.
+    """The DP prefill decision of one rank: owns the hold counter and the decision counters.
 
-    Implements ``atom.scheduler.PrefillGate``. Call :meth:`decide` once per tick with the
-    gathered control values, before ``schedule()``; ``schedule()`` then calls
-    :meth:`allow_prefill`. Its state is a pure function of the sequence of gathered values, so
-    it is identical on every rank.
+    Call :meth:`local_inputs` before the control sync and :meth:`decide` once per tick with the
+    gathered values, before ``schedule()``. Its state is a pure function of the sequence of
+    gathered values (and of the deployment's config, identical on every rank), so it is
+    identical on every rank.
+
+    Args:
+        config: the engine config: ``resolved_prefill_delayer()`` (enabled),
+            ``prefill_delayer_max_delay_passes``, ``prefill_delayer_kv_low_watermark`` and
+            ``enable_tbo`` (readiness needs 2 admittable prefills) are read; validated there.
+        dp_rank: for the log prefix.
+        log_every_n_decisions: log the counters every N decisions at INFO; None never.
+    Raises:
+        ValueError: ``log_every_n_decisions`` below 1.
     """
 
-    def __init__(self, config: PrefillDelayerConfig, *, dp_rank: int = 0):
-        self.config = config
+    def __init__(self, config: EngineConfig, *, dp_rank: int = 0,
+                 log_every_n_decisions: int | None = 1000):
+        if log_every_n_decisions is not None and log_every_n_decisions < 1:
+            raise ValueError(f"log_every_n_decisions={log_every_n_decisions!r}: use an integer "
+                             f">= 1, or None to never log")
+        self.enabled = config.resolved_prefill_delayer()
+        self.max_delay_passes = config.prefill_delayer_max_delay_passes
+        watermark = config.prefill_delayer_kv_low_watermark
+        self.kv_low_watermark_ppm = None if watermark is None else kv_usage_to_ppm(watermark)
+        # readiness needs two admittable prefills with TBO: a split needs two
+        self.min_num_admittable = 2 if config.enable_tbo else 1
+        self.log_every_n_decisions = log_every_n_decisions
         self._log = rank_logger(logger, dp_rank)
-        self._decision: Decision | None = None
         self._num_consecutive_holds = 0
         self._max_consecutive_holds = 0
         self._num_decisions = 0
@@ -165,39 +149,12 @@ class PrefillDelayer:
         self._num_mixed_ticks = 0
         self._counts: Counter[DecisionReason] = Counter()
 
-    @property
-    def min_num_admittable(self) -> int:
-        """``num_admittable`` a rank needs to be ready (2 with TBO: a split needs two)."""
-        return 2 if self.config.tbo_enabled else 1
-
-    @property
-    def last_decision(self) -> Decision | None:
-        return self._decision
-
     def local_inputs(self, scheduler: AdmissionSource) -> PrefillInputs:
         """This rank's inputs, from the scheduler's side-effect-free admission dry run."""
-        kv_usage = scheduler.block_manager.kv_usage
-        watermark = self.config.kv_low_watermark
-        # the flag (not the usage) is gathered and decided on: ranks then agree even if their
-        # configured watermarks were to differ
         return PrefillInputs(
             num_admittable=scheduler.num_admittable(MAX_NUM_ADMITTABLE),
             has_pending_prefill=scheduler.has_pending_prefill(),
-            kv_usage_ppm=kv_usage_to_ppm(kv_usage),
-            kv_below_low_watermark=watermark is not None and kv_usage < watermark)
-
-    def allow_prefill(self) -> bool:
-        """The decision of the current tick (the scheduler's ``PrefillGate``).
-
-        Raises:
-            RuntimeError: an enabled delayer was asked before its first :meth:`decide`.
-        """
-        if self._decision is None:
-            if not self.config.enabled:
-                return True
-            raise RuntimeError("PrefillDelayer.allow_prefill() before decide(): run the control "
-                               "sync and decide() before schedule() on every tick")
-        return self._decision.allow
+            kv_usage_ppm=kv_usage_to_ppm(scheduler.block_manager.kv_usage))
 
     def decide(self, gathered: GatheredControl) -> Decision:
         """Classify the tick and decide (table in the module docstring); updates the counters."""
@@ -209,29 +166,30 @@ class PrefillDelayer:
             status = AlignmentStatus.ALL
         else:
             status = AlignmentStatus.MIXED
-        reason = self._reason(status, ready, gathered.kv_below_low_watermark)
+        reason = self._reason(status, ready, gathered.kv_usage_ppm)
         if reason is DecisionReason.HOLD:
             self._num_consecutive_holds += 1
             self._max_consecutive_holds = max(self._max_consecutive_holds,
                                               self._num_consecutive_holds)
         else:
             self._num_consecutive_holds = 0
-        self._decision = Decision(reason, status, int(ready.sum()), int(pending.sum()),
-                                  self._num_consecutive_holds)
-        self._count(self._decision)
-        return self._decision
+        decision = Decision(reason, status, int(ready.sum()), int(pending.sum()),
+                            self._num_consecutive_holds)
+        self._count(decision)
+        return decision
 
     def _reason(self, status: AlignmentStatus, ready: np.ndarray,
-                below_watermark: np.ndarray) -> DecisionReason:
-        if not self.config.enabled:
+                kv_usage_ppm: np.ndarray) -> DecisionReason:
+        if not self.enabled:
             return DecisionReason.DISABLED
         if status is AlignmentStatus.NONE:
             return DecisionReason.ALLOW_NONE
         if status is AlignmentStatus.ALL:
             return DecisionReason.ALLOW_ALL
-        if (ready & below_watermark).any():
+        watermark = self.kv_low_watermark_ppm
+        if watermark is not None and (ready & (kv_usage_ppm < watermark)).any():
             return DecisionReason.WATERMARK
-        if self._num_consecutive_holds >= self.config.max_delay_passes:
+        if self._num_consecutive_holds >= self.max_delay_passes:
             return DecisionReason.TIMEOUT
         return DecisionReason.HOLD
 
@@ -245,7 +203,7 @@ class PrefillDelayer:
         self._log.debug("prefill delayer: %s (%s, %d/%d pending ranks ready, %d holds in a row)",
                         decision.reason.value, decision.status.value, decision.num_ready_ranks,
                         decision.num_pending_ranks, decision.num_consecutive_holds)
-        every = self.config.log_every_n_decisions
+        every = self.log_every_n_decisions
         if every is not None and self._num_decisions % every == 0:
             self._log.info("prefill delayer: %s", ", ".join(
                 f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"

@@ -14,22 +14,23 @@ like any dispatch).
 
 from __future__ import annotations
 
-POLICIES = ("least_requests", "round_robin")
+from atom.config import DP_LOAD_BALANCE_POLICIES
 
 
 class DPRouter:
     """Chooses ranks and keeps the per-rank load (unfinished requests).
 
     Args:
-        policy: one of :data:`POLICIES`.
+        policy: one of :data:`atom.config.DP_LOAD_BALANCE_POLICIES`.
         num_ranks: DP size.
     Raises:
         ValueError: an unknown policy or ``num_ranks < 1``.
     """
 
     def __init__(self, policy: str, num_ranks: int):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown DP load-balance policy {policy!r}: use one of {POLICIES}")
+        if policy not in DP_LOAD_BALANCE_POLICIES:
+            raise ValueError(f"unknown DP load-balance policy {policy!r}: use one of "
+                             f"{DP_LOAD_BALANCE_POLICIES}")
         if num_ranks < 1:
             raise ValueError(f"num_ranks={num_ranks} must be >= 1")
         self.policy = policy

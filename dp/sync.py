@@ -59,8 +59,8 @@ class ControlState:
         shutdown: the rank was asked to shut down.
         num_admittable: prefills it could start or continue now (admission dry run), capped.
         has_pending_prefill: waiting or partial-prefill work exists.
-        kv_usage_ppm: KV blocks in use, parts per million of the pool.
-        kv_below_low_watermark: ``kv_usage`` under the delayer's low watermark (False when off).
+        kv_usage_ppm: KV blocks in use, parts per million of the pool (the delayer's
+            watermark valve compares it with the deployment's watermark).
         wave_id: the wave this rank is stepping in (DESIGN.md, "Idle and waves").
         tick: ticks this rank has run (identical on every rank while in step).
         collective_count, collective_hash: the collective log before this sync (the hash as
@@ -72,7 +72,6 @@ class ControlState:
     num_admittable: int = 0
     has_pending_prefill: bool = False
     kv_usage_ppm: int = 0
-    kv_below_low_watermark: bool = False
     wave_id: int = 0
     tick: int = 0
     collective_count: int = 0
@@ -98,8 +97,7 @@ class ControlState:
 
 
 _CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(ControlState))
-_CONTROL_FLAGS = frozenset(("has_work", "shutdown", "has_pending_prefill",
-                            "kv_below_low_watermark"))
+_CONTROL_FLAGS = frozenset(("has_work", "shutdown", "has_pending_prefill"))
 CONTROL_VECTOR_LEN = 1 + len(_CONTROL_FIELDS)
 
 
@@ -124,7 +122,6 @@ class GatheredControl:
     num_admittable: np.ndarray
     has_pending_prefill: np.ndarray
     kv_usage_ppm: np.ndarray
-    kv_below_low_watermark: np.ndarray
     wave_id: np.ndarray
     tick: np.ndarray
     collective_count: np.ndarray

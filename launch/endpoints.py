@@ -3,7 +3,7 @@
 A process that binds a socket publishes the address it actually got (``tcp://host:port`` after
 binding port 0, or an ``ipc://`` path) under a key; the processes that connect look it up,
 waiting until it appears. The store is the rendezvous ``TCPStore`` every rank already reaches
-(``DPGroups.store``, or the launcher's store from :func:`atom.launch.env.worker_store`), so this
+(``DPGroups.store``: the launcher's store under a launcher), so this
 works across nodes with nothing but ``MASTER_ADDR:MASTER_PORT`` known in advance.
 
 Values are UTF-8 bytes, never pickle. Keys live under ``atom/endpoint/`` so they cannot collide

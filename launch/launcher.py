@@ -24,10 +24,10 @@ Environment of every worker (the rank contract; torchrun sets the starred ones t
 ``MASTER_ADDR`` *                     host of the rendezvous store: node 0's launcher
 ``MASTER_PORT`` *                     its port (the actual one when ``--master-port 0``)
 ``TORCHELASTIC_USE_AGENT_STORE`` *    ``True``: the launcher hosts the store, so every rank,
-                                      rank 0 too, connects as a client: pass
-                                      ``atom.launch.env.worker_store(info, timeout_s=...)``
-                                      as ``init_process_groups(..., store=...)``
+                                      rank 0 too, connects as a client
+                                      (``atom.dp.groups.init_process_groups`` does)
 ``OMP_NUM_THREADS``                   cores ÷ ``LOCAL_WORLD_SIZE`` (at least 1) unless set
+                                      (``atom.config.resolve_num_threads``)
 ``ATOM_ERROR_FILE``                   per-rank file for the rank's traceback
                                       (:mod:`atom.launch.errors`; torchrun's variable is
                                       ``TORCHELASTIC_ERROR_FILE``)
@@ -39,8 +39,8 @@ Environment of every worker (the rank contract; torchrun sets the starred ones t
 too: each process torchrun starts is one rank, with the same contract (torchrun's agent hosts the
 store and sets ``TORCHELASTIC_USE_AGENT_STORE=True``). An ``atom`` command therefore never asks
 who launched it: ``atom.launch.env.rank_env_present()`` says it is one rank of several,
-``RankInfo.from_env()`` reads the contract and ``worker_store()`` connects to whichever launcher
-hosts the store. Worker-side error recording writes to torchrun's error file there. Whatever a
+``RankInfo.from_env()`` reads the contract and ``init_process_groups`` connects to whichever
+launcher hosts the store. Worker-side error recording writes to torchrun's error file there. Whatever a
 rank starts (rank 0 runs the front end as its child, not inside its busy loop) belongs to that
 rank's process group here, and is stopped with it.
 
@@ -70,6 +70,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from atom.config import resolve_num_threads
 from atom.launch import env as launch_env
 from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
 from atom.launch.supervisor import Outcome, StopSignals, Supervisor, wait_for_other_nodes
@@ -130,8 +131,9 @@ def worker_argv(config: LaunchConfig) -> list[str]:
 
 
 def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error_path: str,
-               base_env: Mapping[str, str], num_cpus: int) -> dict[str, str]:
-    """The environment of local worker ``local_rank``: ``base_env`` plus the rank contract."""
+               base_env: Mapping[str, str], num_cpus: int | None = None) -> dict[str, str]:
+    """The environment of local worker ``local_rank``: ``base_env`` plus the rank contract
+    (``num_cpus``: cores to share among the local workers; None = this process's)."""
     env = dict(base_env)
     env.update({
         "RANK": str(config.node_rank * config.nproc_per_node + local_rank),
@@ -146,27 +148,20 @@ def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error
         launch_env.ERROR_FILE_ENV: error_path,
         launch_env.LAUNCHER_PID_ENV: str(os.getpid()),
     })
-    if not base_env.get("OMP_NUM_THREADS"):
-        # torch sizes its intra-op pool from this at start-up: ranks must not oversubscribe
-        env["OMP_NUM_THREADS"] = str(max(1, num_cpus // config.nproc_per_node))
+    # torch sizes its intra-op pool from this at start-up: ranks must not oversubscribe
+    env["OMP_NUM_THREADS"] = str(resolve_num_threads(None, num_local_ranks=config.nproc_per_node,
+                                                     env=base_env, num_cpus=num_cpus))
     return env
 
 
-def _num_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str) -> list[WorkerSpec]:
-    argv, num_cpus = tuple(worker_argv(config)), _num_cpus()
+    argv = tuple(worker_argv(config))
     specs = []
     for local_rank in range(config.nproc_per_node):
         rank = config.node_rank * config.nproc_per_node + local_rank
         error_path = os.path.join(log_dir, f"rank{rank}.error.json")
         env = worker_env(config, local_rank=local_rank, master_port=master_port,
-                         error_path=error_path, base_env=os.environ, num_cpus=num_cpus)
+                         error_path=error_path, base_env=os.environ)
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env,
                                 log_path=os.path.join(log_dir, f"rank{rank}.stderr.log"),
                                 error_path=error_path, inherit_stdin=rank == 0))

@@ -136,7 +136,7 @@ def _idle_rank_stats(engine, timeout_s: float = 60.0) -> list[dict]:
     """Every rank's stats once the group has ended its wave (the counters are final)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        ranks = engine.client.get_rank_stats()
+        ranks = engine.get_rank_stats()
         if all(r["idle"] for r in ranks) and len({r["tick"] for r in ranks}) == 1:
             return ranks
         if time.monotonic() > deadline:

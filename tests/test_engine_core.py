@@ -13,13 +13,14 @@ import pathlib
 import signal
 import time
 
+import msgspec
 import pytest
 
 from atom import LLM, SamplingParams
 from atom.config import EngineConfig
 from atom.engine import LLMEngine
-from atom.engine_core_client import EngineCoreClient, EngineDeadError
-from atom.messages import EngineCoreRequest, SamplingParamsMsg, SeqOutput
+from atom.engine_core_client import EngineDeadError, MPClient
+from atom.messages import EngineCoreRequest, SeqOutput
 
 pytestmark = pytest.mark.xdist_group("embedded-model")
 
@@ -32,17 +33,17 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def client():
-    client = EngineCoreClient(CONFIG)
+    client = MPClient(CONFIG)
     yield client
     client.shutdown()
 
 
 def _request(request_id: str, **params) -> EngineCoreRequest:
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params})
-    return EngineCoreRequest(request_id, PROMPT, SamplingParamsMsg.from_params(params), time.monotonic())
+    return EngineCoreRequest(request_id, PROMPT, params, time.monotonic())
 
 
-def _collect(client: EngineCoreClient, request_id: str, *, until_finished: bool = True,
+def _collect(client: MPClient, request_id: str, *, until_finished: bool = True,
              num_tokens: int | None = None) -> list[SeqOutput]:
     """Outputs of one request until it finished (or has ``num_tokens`` tokens)."""
     outputs: list[SeqOutput] = []
@@ -65,7 +66,7 @@ def test_ready_handshake_reports_the_runtime(client):
     rt = client.runtime
     assert rt.num_kv_blocks == 64 and rt.max_model_len == 256 and rt.vocab_size == 49152
     assert 2 in rt.eos_token_ids and rt.dtype == "float32" and rt.kv_cache_bytes > 0
-    assert client.is_alive() and client.input_addr.startswith("ipc://")
+    assert client.is_alive() and client.input_addrs[0].startswith("ipc://")
 
 
 def test_outputs_stream_token_by_token_and_match_the_in_process_core(client):
@@ -117,14 +118,27 @@ def test_finish_requests_frees_kv_and_is_not_an_abort(client):
 
 
 def test_malformed_frame_is_dropped_and_the_core_keeps_serving(client):
-    client._input.send(b"\xc1 not msgpack")  # noqa: SLF001 - a front-end bug, simulated
+    client._inputs[0].send(b"\xc1 not msgpack")  # noqa: SLF001 - a front-end bug, simulated
     client.add_request(_request("after-garbage", max_tokens=2))
     assert _collect(client, "after-garbage")[-1].finish_reason == "length"
 
 
+def test_request_frame_with_bad_sampling_params_fails_that_request_alone(client):
+    # a front-end bug, simulated: parameters the API boundary would have refused reach the core
+    raw = msgspec.to_builtins(_request("bad-params", n=2, temperature=1.0))
+    raw["sampling_params"]["temperature"] = -1.0
+    client._inputs[0].send(msgspec.msgpack.encode(raw))  # noqa: SLF001
+    outputs = _collect(client, "bad-params")
+    assert sorted(o.index for o in outputs) == [0, 1]
+    assert all(o.finish_reason == "error" and "temperature" in o.error for o in outputs)
+    client.add_request(_request("after-bad-params", max_tokens=2))
+    assert _collect(client, "after-bad-params")[-1].finish_reason == "length"
+    _assert_pool_free(client.get_stats())
+
+
 def test_idle_core_blocks_instead_of_spinning(client):
     def cpu_s() -> float:
-        fields = pathlib.Path(f"/proc/{client.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = pathlib.Path(f"/proc/{client.ranks.procs[0].pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     client.get_stats()  # idle from here
@@ -137,8 +151,8 @@ def test_two_llms_in_one_process_do_not_collide():
     params = SamplingParams(temperature=0.0, max_tokens=4)
     with LLM(dtype="float32", num_kv_blocks=32, max_model_len=256) as a, \
             LLM(dtype="float32", num_kv_blocks=32, max_model_len=256) as b:
-        addrs = {a.engine.client.input_addr, a.engine.client.output_addr,
-                 b.engine.client.input_addr, b.engine.client.output_addr}
+        addrs = {*a.engine.client.input_addrs, a.engine.client.output_addr,
+                 *b.engine.client.input_addrs, b.engine.client.output_addr}
         assert len(addrs) == 4
         (out_a,), (out_b,) = a.generate("The capital of France is", params), b.generate(
             "The capital of France is", params)
@@ -155,7 +169,7 @@ def test_killed_core_raises_engine_dead_error_quickly():
         engine.add_request("long", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
         while not engine.step():
             pass
-        os.kill(engine.client.proc.pid, signal.SIGKILL)
+        os.kill(engine.client.ranks.procs[0].pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="SIGKILL"):
             while True:  # outputs already in flight come first, then the error
@@ -174,7 +188,7 @@ def test_killed_core_raises_engine_dead_error_quickly():
 def test_core_failing_at_start_up_reports_exit_code_and_stderr(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
     with pytest.raises(RuntimeError, match="failed to start") as info:
-        EngineCoreClient(EngineConfig(model=str(missing), num_kv_blocks=8))
+        MPClient(EngineConfig(model=str(missing), num_kv_blocks=8))
     assert "exit code 1" in str(info.value) and "no-such-model" in str(info.value)
 
 

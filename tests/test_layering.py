@@ -47,10 +47,14 @@ def test_engine_does_not_import_dp_launch_or_entrypoints(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the engine never imports dp/launch"
 
 
-@pytest.mark.parametrize("name", ["sequence.py", "block_manager.py", "scheduler.py"])
-def test_core_bookkeeping_is_torch_free(name):
-    bad = {n for n in _imports(ROOT / "atom" / name) if n.split(".")[0] == "torch"}
-    assert not bad, f"atom/{name} imports {sorted(bad)}"
+# the bookkeeping (sequence, block manager, scheduler), the wire types and the front end's client
+# (so the HTTP layer can validate and send without torch), and the rank contract
+@pytest.mark.parametrize("name", ["atom/sequence.py", "atom/block_manager.py", "atom/scheduler.py",
+                                  "atom/sampling_params.py", "atom/messages.py", "atom/config.py",
+                                  "atom/engine_core_client.py", "dp/rank_contract.py"])
+def test_core_bookkeeping_and_wire_types_are_torch_free(name):
+    bad = {n for n in _imports(ROOT / name) if n.split(".")[0] == "torch"}
+    assert not bad, f"{name} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("path", _modules("kernels"), ids=lambda p: str(p.relative_to(ROOT)))

@@ -23,12 +23,11 @@ EOS = 2
 # ----- factories and the fake model -----
 
 def make_scheduler(*, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                   max_model_len: int = 128, chunked: bool = True, prefix: bool = True,
-                   gate=None) -> Scheduler:
+                   max_model_len: int = 128, chunked: bool = True, prefix: bool = True) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=chunked)
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix)
-    return Scheduler(config, bm, eos_token_ids=(EOS,), prefill_gate=gate)
+    return Scheduler(config, bm, eos_token_ids=(EOS,))
 
 
 def prompt(length: int, start: int = 1000) -> list[int]:
@@ -43,16 +42,6 @@ def make_seq(tokens: list[int], request_id: str = "r", *, index: int = 0, **para
 def scripted(seq: Sequence) -> int:
     """Default fake sampler: a token that depends only on (request, choice, output position)."""
     return 100 + 10 * seq.index + seq.num_output_tokens
-
-
-class Gate:
-    def __init__(self, allow: bool = True) -> None:
-        self.allow = allow
-        self.num_calls = 0
-
-    def allow_prefill(self) -> bool:
-        self.num_calls += 1
-        return self.allow
 
 
 class Driver:
@@ -73,18 +62,17 @@ class Driver:
         tokens = self.script.get(seq.request_id)
         return tokens[seq.num_output_tokens] if tokens is not None else scripted(seq)
 
-    def step(self) -> SchedulerOutput:
+    def step(self, *, allow_prefill: bool = True) -> SchedulerOutput:
         sched, cfg = self.sched, self.sched.config
         before = snapshot(sched)
         num_admittable = sched.num_admittable(100)
         assert snapshot(sched) == before
         waiting = {s.seq_id for s in sched.waiting}
         partial = {s.seq_id for s in sched.running if s.is_prefill}
-        allow = getattr(sched.prefill_gate, "allow", True)  # a Gate's answer for this step
-        out = sched.schedule()
+        out = sched.schedule(allow_prefill=allow_prefill)
         check_pool(sched)
         started = [seq for seq, _ in out.scheduled if seq.seq_id in waiting or seq.seq_id in partial]
-        if allow:
+        if allow_prefill:
             assert len(started) == num_admittable, (num_admittable, [s.request_id for s in started])
         else:
             assert started == []
@@ -210,19 +198,16 @@ def test_chunked_prefill_splits_a_long_prompt_and_never_decodes_mid_chunk():
     assert a.finish_reason is FinishReason.LENGTH and a.output_token_ids == [100, 101]
 
 
-def test_last_prompt_token_chunk_is_held_by_the_gate():
-    gate = Gate()
-    sched = make_scheduler(max_num_batched_tokens=4, gate=gate)
+def test_last_prompt_token_chunk_is_held_when_prefill_is_not_allowed():
+    sched = make_scheduler(max_num_batched_tokens=4)
     a = make_seq(prompt(9), "a")
     sched.add(a)
     d = Driver(sched)
     d.step()
     d.step()
     assert a.num_computed_tokens == 8
-    gate.allow = False
-    out = d.step()
+    out = d.step(allow_prefill=False)
     assert out.is_empty and out.prefill_held and a.num_computed_tokens == 8
-    gate.allow = True
     assert ids(d.step()) == [("a", 1)] and a.output_token_ids == [100]
 
 
@@ -327,19 +312,27 @@ def test_prompt_of_exactly_max_model_len_gets_one_token():
 
 # ----- abort and finish from outside -----
 
+def abort(sched: Scheduler, request_id: str) -> list[Sequence]:
+    """What EngineCore.abort_requests does: finish every unfinished sequence of the request."""
+    seqs = [s for s in (*sched.waiting, *sched.running) if s.request_id == request_id]
+    for seq in seqs:
+        sched.finish(seq, FinishReason.ABORT)
+    return seqs
+
+
 def test_abort_frees_blocks_of_running_and_waiting_sequences():
     sched = make_scheduler(num_blocks=8, max_num_seqs=1)
     a, b = add_all(sched, [make_seq(prompt(10), "a", max_tokens=20), make_seq(prompt(5), "b")])
     d = Driver(sched)
     d.step()
     assert a.block_table == [0, 1, 2] and sched.block_manager.num_free_blocks == 5
-    assert sched.abort("a") == [a]
+    assert abort(sched, "a") == [a]
     check_pool(sched)
     assert a.finish_reason is FinishReason.ABORT and a.block_table == []
     assert sched.block_manager.num_free_blocks == 8
     assert list(sched.block_manager.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]
-    assert sched.abort("b") == [b] and b.finish_reason is FinishReason.ABORT
-    assert not sched.has_unfinished() and sched.abort("b") == []
+    assert abort(sched, "b") == [b] and b.finish_reason is FinishReason.ABORT
+    assert not sched.has_unfinished() and abort(sched, "b") == []
 
 
 def test_finish_between_schedule_and_postprocess_is_skipped():
@@ -492,7 +485,7 @@ def test_random_workloads_keep_every_invariant(seed):
                 seqs.append(make_seq(tokens, f"q{len(seqs)}", index=index, max_tokens=max_tokens))
                 sched.add(seqs[-1])
         if seqs and rng.random() < 0.03:
-            sched.abort(rng.choice(seqs).request_id)
+            abort(sched, rng.choice(seqs).request_id)
         if sched.has_unfinished():
             d.step()
         elif len(seqs) >= 12:
@@ -506,11 +499,10 @@ def test_random_workloads_keep_every_invariant(seed):
             assert seq.num_output_tokens == seq.sampling_params.max_tokens or len(seq) == max_model_len
 
 
-# ----- prefill gate -----
+# ----- allow_prefill=False: the cross-rank hold -----
 
-def test_gate_holding_admits_nothing_and_schedules_no_prefill_chunks_but_decodes():
-    gate = Gate()
-    sched = make_scheduler(max_num_batched_tokens=8, gate=gate)
+def test_holding_admits_nothing_and_schedules_no_prefill_chunks_but_decodes():
+    sched = make_scheduler(max_num_batched_tokens=8)
     a = make_seq(prompt(3), "a", max_tokens=10)
     sched.add(a)
     d = Driver(sched)
@@ -520,26 +512,21 @@ def test_gate_holding_admits_nothing_and_schedules_no_prefill_chunks_but_decodes
     assert ids(d.step()) == [("a", 1), ("b", 7)]  # b: mid-prompt
     c = make_seq(prompt(3, 3000), "c")
     sched.add(c)
-    gate.allow = False
-    calls = gate.num_calls
     for _ in range(2):
-        out = d.step()
+        out = d.step(allow_prefill=False)
         assert ids(out) == [("a", 1)] and out.prefill_held
         assert b.num_computed_tokens == 7 and list(sched.waiting) == [c]
-    assert gate.num_calls == calls + 2  # consulted once per step
-    gate.allow = True
     out = d.step()
     assert ids(out) == [("a", 1), ("b", 7)] and not out.prefill_held
     assert ids(d.step()) == [("a", 1), ("b", 6), ("c", 1)]
 
 
-def test_gate_holding_with_nothing_to_hold_is_not_reported():
-    gate = Gate(allow=False)
-    sched = make_scheduler(gate=gate)
-    out = sched.schedule()
+def test_holding_with_nothing_to_hold_is_not_reported():
+    sched = make_scheduler()
+    out = sched.schedule(allow_prefill=False)
     assert out.is_empty and not out.prefill_held
     sched.add(make_seq(prompt(3)))
-    out = sched.schedule()
+    out = sched.schedule(allow_prefill=False)
     assert out.is_empty and out.prefill_held and sched.num_waiting == 1
 
 

@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     from atom.entrypoints import bench
 
     parser = argparse.ArgumentParser(prog="atom", description=__doc__.split("\n\n")[0])
+    parser.set_defaults(runs_engine=False)  # add_engine_args sets it on the engine commands
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
-    as_rank = rank_env_present() and hasattr(args, "data_parallel_size")
+    as_rank = rank_env_present() and args.runs_engine
     try:
         if as_rank:  # under atom launch / torchrun (see atom.entrypoints.launched)
             args.data_parallel_size = launched.launched_data_parallel_size(args.data_parallel_size)

@@ -26,12 +26,10 @@ rank 0's process group.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -114,20 +112,16 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
             shutting the ranks down. Start-up and loop errors of the rank itself propagate
             (the launcher reports them).
     """
-    from atom.dp.engine_core_proc import _group_timeout_s, _on_sigterm, _ShutdownRequested
     from atom.dp.engine_core_proc import run_rank as run_dp_rank
     from atom.dp.groups import RankInfo
     from atom.engine import tokenizer_eos_token_ids
+    from atom.engine_core_proc import ShutdownRequested, install_signal_handlers
     from atom.launch.endpoints import lookup_endpoint, publish_endpoint
-    from atom.launch.env import worker_store
     from atom.model_loader import load_tokenizer
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; SIGTERM stops us
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    install_signal_handlers()  # the launcher decides; SIGTERM stops us
     info = RankInfo.from_env()
-    timeout_s = _group_timeout_s()
-    if config.num_threads is None and os.environ.get("OMP_NUM_THREADS"):
-        config = dataclasses.replace(config, num_threads=int(os.environ["OMP_NUM_THREADS"]))
+    timeout_s = config.dp_group_timeout_s
     front_end, announcements = _start_front_end(argv) if info.rank == 0 else (None, None)
     try:
         extra_eos = () if config.skip_tokenizer_init else tokenizer_eos_token_ids(
@@ -143,8 +137,8 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
                     lookup_endpoint(groups.store, _OUTPUT_KEY, timeout_s=timeout_s))
 
         run_dp_rank(config, extra_eos_token_ids=extra_eos, endpoints=endpoints,
-                    store=worker_store(info, timeout_s=timeout_s), front_end=front_end)
-    except _ShutdownRequested:  # the launcher is stopping every rank (its process group too)
+                    front_end=front_end)
+    except ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
         if front_end is not None and front_end.poll() is None:
             front_end.terminate()

@@ -25,8 +25,9 @@ _live_llms: "weakref.WeakSet[LLM]" = weakref.WeakSet()
 
 
 def build_engine(config: EngineConfig):
-    """The front end's :class:`atom.engine.LLMEngine` for ``config``: one engine-core process,
-    or with ``data_parallel_size > 1`` one per DP rank (:class:`atom.dp.dp_client.DPEngineCoreClient`);
+    """The front end's :class:`atom.engine.LLMEngine` for ``config``: one engine-core process
+    (:class:`atom.engine_core_client.MPClient`), or with ``data_parallel_size > 1`` one per DP
+    rank (:class:`atom.dp.dp_client.DPEngineCoreClient`);
     in the front end of a launched deployment, a client of the ranks the launcher started
     (:mod:`atom.entrypoints.launched`). Every front end (``LLM``, the CLI, the OpenAI server)
     builds its engine here.
@@ -39,15 +40,14 @@ def build_engine(config: EngineConfig):
 
     from atom.entrypoints.launched import is_front_end, launched_client
 
-    client_factory = None
     if is_front_end():  # rank 0's child under atom launch / torchrun: the ranks run already
-        client_factory = launched_client
-    elif config.data_parallel_size > 1:
-        from atom.dp.dp_client import DPEngineCoreClient
-
-        def client_factory(config, extra_eos):
-            return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos)
-    return LLMEngine(config, multiprocess=True, client_factory=client_factory)
+        return LLMEngine(config, client_factory=launched_client)
+    if config.data_parallel_size > 1:
+        from atom.dp.dp_client import DPEngineCoreClient as client_class
+    else:
+        from atom.engine_core_client import MPClient as client_class
+    return LLMEngine(config, client_factory=lambda config, extra_eos: client_class(
+        config, extra_eos_token_ids=extra_eos))
 
 
 @atexit.register
@@ -99,10 +99,7 @@ class LLM:
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
         collective count and hash, PrefillDelayer counters); one rank: ``[get_stats()]``."""
-        client = self._engine.client
-        if hasattr(client, "get_rank_stats"):
-            return client.get_rank_stats()
-        return [self.get_stats()]
+        return self._engine.get_rank_stats()
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -6,22 +6,26 @@ from dataclasses import dataclass
 
 import pytest
 
+from atom.config import EngineConfig
 from atom.dp.prefill_delayer import (
     MAX_NUM_ADMITTABLE,
     AlignmentStatus,
     DecisionReason,
     PrefillDelayer,
-    PrefillDelayerConfig,
 )
 from atom.dp.sync import ControlState, GatheredControl
+
+WATERMARK = 0.5  # the low watermark of the tests that turn the valve on
 
 
 def rank(num_admittable: int = 0, *, pending: bool | None = None,
          below_watermark: bool = False) -> ControlState:
-    """One rank's control state; pending prefill work defaults to num_admittable > 0."""
+    """One rank's control state; pending prefill work defaults to num_admittable > 0; its KV
+    usage is just under (or at) ``WATERMARK``."""
     pending = num_admittable > 0 if pending is None else pending
+    kv_usage_ppm = 499_999 if below_watermark else 500_000
     return ControlState(has_work=True, num_admittable=num_admittable, has_pending_prefill=pending,
-                        kv_below_low_watermark=below_watermark)
+                        kv_usage_ppm=kv_usage_ppm)
 
 
 def gathered(*ranks: ControlState) -> GatheredControl:
@@ -31,8 +35,14 @@ def gathered(*ranks: ControlState) -> GatheredControl:
 MIXED = gathered(rank(2), rank(0, pending=True))  # rank 1 has work it cannot admit yet
 
 
-def delayer(**kwargs) -> PrefillDelayer:
-    return PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=None, **kwargs))
+def delayer(*, enabled: bool = True, max_delay_passes: int = 30,
+            kv_low_watermark: float | None = None, tbo_enabled: bool = False,
+            dp_rank: int = 0, log_every_n_decisions: int | None = None) -> PrefillDelayer:
+    config = EngineConfig(data_parallel_size=2, prefill_delayer=enabled,
+                          prefill_delayer_max_delay_passes=max_delay_passes,
+                          prefill_delayer_kv_low_watermark=kv_low_watermark,
+                          enable_tbo=tbo_enabled)
+    return PrefillDelayer(config, dp_rank=dp_rank, log_every_n_decisions=log_every_n_decisions)
 
 
 def test_none_no_rank_ready_allows():
@@ -41,7 +51,6 @@ def test_none_no_rank_ready_allows():
         decision = d.decide(g)
         assert (decision.status, decision.reason, decision.allow) == (
             AlignmentStatus.NONE, DecisionReason.ALLOW_NONE, True)
-        assert d.allow_prefill()
 
 
 def test_all_pending_ranks_ready_allows():
@@ -64,7 +73,6 @@ def test_mixed_holds_every_rank():
     assert (decision.status, decision.reason, decision.allow) == (
         AlignmentStatus.MIXED, DecisionReason.HOLD, False)
     assert decision.num_consecutive_holds == 1
-    assert d.allow_prefill() is False
 
 
 def test_hold_bounded_by_max_delay_passes_then_timeout_and_reset():
@@ -86,16 +94,19 @@ def test_any_allow_resets_the_hold_counter():
 
 
 def test_watermark_valve_releases_a_mixed_hold():
-    d = delayer(kv_low_watermark=0.5)
+    d = delayer(kv_low_watermark=WATERMARK)
     decision = d.decide(gathered(rank(2, below_watermark=True), rank(0, pending=True)))
     assert (decision.status, decision.reason, decision.allow) == (
         AlignmentStatus.MIXED, DecisionReason.WATERMARK, True)
     # only a *ready* rank below the watermark opens the valve
     decision = d.decide(gathered(rank(2), rank(0, pending=True, below_watermark=True)))
     assert decision.reason is DecisionReason.HOLD
+    # the valve is off by default: the same usage holds
+    assert delayer().decide(gathered(rank(2, below_watermark=True), rank(0, pending=True))
+                            ).reason is DecisionReason.HOLD
 
 
-def test_local_inputs_watermark_flag():
+def test_local_inputs():
     @dataclass
     class Pool:
         kv_usage: float
@@ -114,10 +125,8 @@ def test_local_inputs_watermark_flag():
 
     sched = FakeScheduler(Pool(0.25), admittable=9, pending=True)
     inputs = delayer(kv_low_watermark=0.3).local_inputs(sched)
-    assert (inputs.num_admittable, inputs.has_pending_prefill, inputs.kv_usage_ppm,
-            inputs.kv_below_low_watermark) == (MAX_NUM_ADMITTABLE, True, 250_000, True)
-    assert delayer(kv_low_watermark=0.2).local_inputs(sched).kv_below_low_watermark is False
-    assert delayer().local_inputs(sched).kv_below_low_watermark is False  # valve off
+    assert (inputs.num_admittable, inputs.has_pending_prefill, inputs.kv_usage_ppm) == (
+        MAX_NUM_ADMITTABLE, True, 250_000)
 
 
 def test_tbo_readiness_needs_two_admittable():
@@ -132,7 +141,6 @@ def test_tbo_readiness_needs_two_admittable():
 
 def test_disabled_always_allows_but_still_classifies():
     d = delayer(enabled=False)
-    assert d.allow_prefill()  # before any decide()
     for _ in range(50):
         decision = d.decide(MIXED)
         assert (decision.status, decision.reason, decision.allow) == (
@@ -142,13 +150,8 @@ def test_disabled_always_allows_but_still_classifies():
         50, 0, 50, 0.0)
 
 
-def test_enabled_allow_prefill_before_decide_is_an_error():
-    with pytest.raises(RuntimeError, match="before decide"):
-        delayer().allow_prefill()
-
-
 def test_counters_and_hold_rate():
-    d = delayer(max_delay_passes=2, kv_low_watermark=0.5)
+    d = delayer(max_delay_passes=2, kv_low_watermark=WATERMARK)
     sequence = [
         gathered(rank(0), rank(0)),  # allow_none (not a ready tick)
         gathered(rank(1), rank(1)),  # allow_all
@@ -170,14 +173,13 @@ def test_counters_and_hold_rate():
 def test_decisions_identical_on_every_rank():
     """Two delayers (two ranks) fed the same gathered sequence end in the same state."""
     seq = [MIXED] * 5 + [gathered(rank(1), rank(2))] + [MIXED] * 40
-    a = PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=None), dp_rank=0)
-    b = PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=None), dp_rank=1)
+    a, b = delayer(dp_rank=0), delayer(dp_rank=1)
     assert [a.decide(g) for g in seq] == [b.decide(g) for g in seq]
     assert a.stats() == b.stats()
 
 
 def test_logs_counters_every_n_decisions(caplog):
-    d = PrefillDelayer(PrefillDelayerConfig(log_every_n_decisions=2), dp_rank=3)
+    d = delayer(log_every_n_decisions=2, dp_rank=3)
     with caplog.at_level("INFO", logger="atom.dp.prefill_delayer"):
         for _ in range(5):
             d.decide(MIXED)
@@ -196,4 +198,4 @@ def test_logs_counters_every_n_decisions(caplog):
 ])
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        PrefillDelayerConfig(**kwargs)
+        delayer(**kwargs)

@@ -17,7 +17,7 @@ from atom.dp.sync import (
 )
 
 FULL = ControlState(has_work=True, shutdown=True, num_admittable=3, has_pending_prefill=True,
-                    kv_usage_ppm=999_999, kv_below_low_watermark=True, wave_id=7, tick=12345,
+                    kv_usage_ppm=999_999, wave_id=7, tick=12345,
                     collective_count=2**40, collective_hash=-(2**63))
 
 

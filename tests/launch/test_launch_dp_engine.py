@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from atom.dp.sync import BATCH_SHAPE_VECTOR_LEN, CONTROL_VECTOR_LEN
 from tests.utils import launcher_env
 
 pytestmark = pytest.mark.xdist_group("multiproc")
@@ -68,14 +69,16 @@ def test_rank_skipping_a_collective_in_the_dp_loop_stops_every_rank_with_the_his
     # rank 1 skips its 3rd batch-shape exchange: rank 0 waits in it on the device group while
     # rank 1 waits in the next control sync on the control group; nothing pairs, so both fail
     # at the group timeout with the collective histories, and the launcher stops everything.
-    proc = _run([str(BIN / "atom"), "launch", "--nproc-per-node", "2", SKIPPING, *GENERATE],
-                ATOM_TEST_SKIP_TICK="3", ATOM_DP_GROUP_TIMEOUT_S="10")
+    proc = _run([str(BIN / "atom"), "launch", "--nproc-per-node", "2", SKIPPING, *GENERATE,
+                 "--dp-group-timeout-s", "10"], ATOM_TEST_SKIP_TICK="3")
     assert proc.returncode != 0
     assert proc.stdout == ""
     err = proc.stderr
     assert "CollectiveError" in err and "out of step" in err, err[-3000:]
     # the histories of both ranks, with the first differing collective marked
-    assert re.search(r"! #\d+\s+all_gather int64\[6\]\s+all_gather int64\[11\]", err), err[-3000:]
+    pattern = (rf"! #\d+\s+all_gather int64\[{BATCH_SHAPE_VECTOR_LEN}\]\s+"
+               rf"all_gather int64\[{CONTROL_VECTOR_LEN}\]")
+    assert re.search(pattern, err), err[-3000:]
     assert re.search(r"rank \d \(node 0, pid \d+\) failed with exit code 1", err), err[-3000:]
 
 

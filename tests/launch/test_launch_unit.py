@@ -3,6 +3,7 @@ exchange and the launchers' store protocol (an in-process TCPStore on an ephemer
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import io
@@ -14,7 +15,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from atom.dp.groups import RankInfo
+from atom.dp.groups import RankInfo, rendezvous_store
+from atom.dp.rank_contract import hosts_store
 from atom.launch import env as launch_env
 from atom.launch.endpoints import endpoint_key, lookup_endpoint, publish_endpoint
 from atom.launch.errors import read_error_file, record_errors, write_error_file
@@ -79,7 +81,8 @@ def test_worker_env_is_the_rank_contract():
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     info = RankInfo.from_env(env)
     assert (info.rank, info.world_size, info.local_world_size) == (3, 6, 2)
-    assert launch_env.launched_by_launcher(env) and launch_env.agent_hosts_store(env)
+    assert launch_env.launched_by_launcher(env)
+    assert not hosts_store(info, env)  # the launcher hosts it: rank 0 too joins as a client
     assert not launch_env.launched_by_torchrun(env)
     # a user's OMP_NUM_THREADS wins; one core still gives every rank a thread
     assert worker_env(cfg, local_rank=0, master_port=1, error_path="/e", num_cpus=8,
@@ -98,13 +101,14 @@ def test_rank_env_detection():
     assert not launch_env.launched_by_launcher({"ATOM_LAUNCHER_PID": "1"})  # no contract
 
 
-def test_worker_store_is_none_without_an_agent(monkeypatch):
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1,
-                    master_addr="127.0.0.1", master_port=0)
-    assert launch_env.worker_store(info, timeout_s=1) is None
+def test_rank_0_hosts_the_store_without_an_agent():
+    info = RankInfo(rank=0, world_size=2, local_rank=0, local_world_size=2,
+                    master_addr="127.0.0.1", master_port=29500)
+    assert hosts_store(info, {})
+    assert not hosts_store(dataclasses.replace(info, rank=1, local_rank=1), {})
+    assert not hosts_store(info, {"TORCHELASTIC_USE_AGENT_STORE": "True"})
     with pytest.raises(ValueError, match="timeout_s"):
-        launch_env.worker_store(info, timeout_s=0)
+        rendezvous_store(info, timeout_s=0)
 
 
 def test_exit_code_descriptions():

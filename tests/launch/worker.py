@@ -63,8 +63,7 @@ def main() -> None:
     install_error_handler()
     out_dir = sys.argv[1]
     info = RankInfo.from_env()
-    store = launch_env.worker_store(info, timeout_s=TIMEOUT_S)
-    groups = init_process_groups(info, timeout_s=TIMEOUT_S, store=store)
+    groups = init_process_groups(info, timeout_s=TIMEOUT_S)
     gathered = C.all_gather_int64([info.rank, info.local_rank], groups.control)
     publish_endpoint(groups.store, f"test/rank{info.rank}", f"tcp://127.0.0.1:{40000 + info.rank}")
     endpoints = [lookup_endpoint(groups.store, f"test/rank{r}", timeout_s=TIMEOUT_S)

@@ -82,7 +82,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         try:
-            rank_stats = await engine.call(_rank_stats, timeout_s=_HEALTH_TIMEOUT_S)
+            rank_stats = await engine.call(lambda e: e.get_rank_stats(),
+                                           timeout_s=_HEALTH_TIMEOUT_S)
         except (EngineDeadError, TimeoutError):
             rank_stats = []
         return Response(metrics.render(rank_stats), media_type=CONTENT_TYPE)
@@ -113,12 +114,6 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
         return {"prompt": serving.tokenizer.decode(req.tokens)}
 
     return app
-
-
-def _rank_stats(engine) -> list[dict]:
-    """Each engine core's stats (DP: per rank; one rank: its stats)."""
-    client = engine.client
-    return client.get_rank_stats() if hasattr(client, "get_rank_stats") else [engine.get_stats()]
 
 
 def _version() -> str:

@@ -143,10 +143,6 @@ class AsyncEngine:
             self._thread.join(timeout_s)
         self.engine.shutdown()
 
-    @property
-    def num_open_requests(self) -> int:
-        return len(self._streams)
-
     def _submit(self, command: _Add | _Call) -> None:
         with self._lock:
             if self.dead_error is not None:

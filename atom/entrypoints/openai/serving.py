@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from atom.engine_core import check_token_ids
+from atom.messages import check_token_ids
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.outputs import CompletionOutput, RequestOutput
