@@ -21,42 +21,22 @@ prefill computes at least one token and produces logits.
 Freed blocks go to the tail of the free queue (a sequence's blocks in reverse order, so its
 prefix outlives its tail); allocation takes from the head. A free block keeps its hash until it
 is handed out again, so cached blocks are evicted least-recently-freed first.
+
+Every change to the prefix-cache index is logged in ``events`` as the KV event wire structs of
+``atom.kv_events`` (``BlockStored`` when hashes are published, ``BlockRemoved`` on eviction,
+``AllBlocksCleared`` on a reset), hashes in their signed wire form; the engine core takes them
+once per step (``take_events``) for the KV event publisher.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from atom.kv_events import AllBlocksCleared, KVCacheEvent, removed_event, stored_event
 from atom.sequence import Sequence
-
-
-@dataclass
-class BlockStored:
-    """KV of full blocks became reusable (prefix-cache entries were published)."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-
-
-@dataclass
-class BlockRemoved:
-    """Prefix-cache entries were evicted (their blocks were reused for other content)."""
-
-    block_hashes: list[int]
-
-
-@dataclass
-class AllBlocksCleared:
-    """The whole prefix cache was dropped."""
-
-
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -275,8 +255,9 @@ class BlockManager:
         parent = prev.block_hash if prev is not None else None
         link = self._canonical_link(prev) if prev is not None else None
         # one event per run of consecutive newly published blocks, so that each event's parent
-        # and tokens match its hashes (blocks another sequence published first are skipped)
-        runs: list[BlockStored] = []
+        # and tokens match its hashes (blocks another sequence published first are skipped);
+        # a run is (parent hash, hashes, tokens)
+        runs: list[tuple[int | None, list[int], list[int]]] = []
         last_stored = None
         hashes = self.block_hashes(seq, num_full)
         for i in range(num_hashed, num_full):
@@ -289,14 +270,15 @@ class BlockManager:
                 if block_hash not in self.hash_to_block:
                     self.hash_to_block[block_hash] = block.block_id
                     if runs and last_stored == i - 1:
-                        runs[-1].block_hashes.append(block_hash)
-                        runs[-1].token_ids.extend(tokens)
+                        runs[-1][1].append(block_hash)
+                        runs[-1][2].extend(tokens)
                     else:
-                        runs.append(BlockStored([block_hash], parent, list(tokens), self.block_size))
+                        runs.append((parent, [block_hash], list(tokens)))
                     last_stored = i
             parent, link = block_hash, self._canonical_link(block)
         self._num_hashed_blocks[seq.seq_id] = num_full
-        self.events.extend(runs)
+        self.events.extend(stored_event(run_hashes, run_parent, run_tokens, self.block_size)
+                           for run_parent, run_hashes, run_tokens in runs)
 
     def _canonical_link(self, block: Block) -> tuple[int, int]:
         """(id, generation) a following block records as its parent: the indexed block with the
@@ -353,7 +335,7 @@ class BlockManager:
             # evict the cached content this block held
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
-                self.events.append(BlockRemoved([block.block_hash]))
+                self.events.append(removed_event([block.block_hash]))
             block.block_hash = block.token_ids = block.parent = None
         block.generation += 1
         block.ref_count = 1

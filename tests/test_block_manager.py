@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 import atom.block_manager as bm_module
-from atom.block_manager import (AllBlocksCleared, BlockManager, BlockRemoved, BlockStored,
-                                DryRunClaims, hash_block)
+from atom.block_manager import BlockManager, DryRunClaims, hash_block
+from atom.kv_events import AllBlocksCleared, removed_event, stored_event, to_wire_hash
 from atom.sampling_params import SamplingParams
 from atom.sequence import Sequence
 
@@ -122,7 +122,7 @@ def test_eviction_is_least_recently_freed_first_with_block_removed_events():
     bm.allocate(c)
     check(bm)
     assert c.block_table == [3, 2]
-    assert bm.take_events() == [BlockRemoved([ha[2]])]
+    assert bm.take_events() == [removed_event([ha[2]])]
     assert ha[2] not in bm.hash_to_block and bm.blocks[2].block_hash is None
     # a's prefix (blocks 0, 1) is still cached and still served
     d = make_seq(P12 + [9, 9])
@@ -131,7 +131,7 @@ def test_eviction_is_least_recently_freed_first_with_block_removed_events():
     e = make_seq([7])
     bm.allocate(e)
     assert e.block_table == [1]
-    assert bm.take_events() == [BlockRemoved([ha[1]])]
+    assert bm.take_events() == [removed_event([ha[1]])]
     assert bm.find_cached_blocks(d) == [0]
     check(bm)
 
@@ -166,10 +166,10 @@ def test_hashes_are_published_only_after_cache_computed_blocks():
     assert bm.take_events() == []
     compute(bm, a, 5)  # one full block computed
     h = chain(a.token_ids, 3)
-    assert bm.take_events() == [BlockStored([h[0]], None, P12[:4], BS)]
+    assert bm.take_events() == [stored_event([h[0]], None, P12[:4], BS)]
     assert bm.find_cached_blocks(b) == [0]
     compute(bm, a, 12)  # blocks 1, 2 computed: published with block 0's hash as parent
-    assert bm.take_events() == [BlockStored([h[1], h[2]], h[0], P12[4:12], BS)]
+    assert bm.take_events() == [stored_event([h[1], h[2]], h[0], P12[4:12], BS)]
     assert bm.find_cached_blocks(b) == [0, 1, 2]
     compute(bm, a, 13)  # the partial block is never published
     assert bm.take_events() == []
@@ -184,7 +184,7 @@ def test_second_sequence_allocated_before_compute_gets_no_hit_and_later_one_does
     compute(bm, a)
     compute(bm, b)  # identical blocks: first writer wins, nothing new to publish
     events = bm.take_events()
-    assert len(events) == 1 and events[0].block_hashes == chain(P12, 3)
+    assert len(events) == 1 and events[0].block_hashes == [to_wire_hash(h) for h in chain(P12, 3)]
     assert sorted(bm.hash_to_block.values()) == [0, 1, 2]
     c = make_seq(P12 + [1])
     assert bm.allocate(c) == 12
@@ -247,7 +247,7 @@ def test_reviving_a_free_cached_block_costs_a_free_block():
     assert bm.allocate(b) == 12
     assert b.block_table == [0, 1, 2, 4]
     assert list(bm.free_queue) == [5, 3]
-    assert bm.take_events() == [BlockStored(chain(P12, 3), None, P12, BS)]  # no eviction
+    assert bm.take_events() == [stored_event(chain(P12, 3), None, P12, BS)]  # no eviction
     check(bm)
 
 
@@ -316,7 +316,7 @@ def test_partly_duplicate_blocks_publish_a_consistent_event():
     bm.take_events()
     compute(bm, b)
     hb = chain(b.token_ids, 2)
-    assert bm.take_events() == [BlockStored([hb[1]], hb[0], [9, 9, 9, 9], BS)]
+    assert bm.take_events() == [stored_event([hb[1]], hb[0], [9, 9, 9, 9], BS)]
     assert bm.hash_to_block[hb[0]] == 0 and bm.hash_to_block[hb[1]] == 4
     # b's second block was computed after b's own copy of block 0, which has a's block 0 content:
     # it is served on top of a's block 0
