@@ -145,12 +145,28 @@ def resolve_num_threads(num_threads: int | None, *, num_local_ranks: int = 1,
     env = os.environ if env is None else env
     if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         return int(env["OMP_NUM_THREADS"])
-    if num_cpus is None:
-        try:
-            num_cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            num_cpus = os.cpu_count() or 1
+    num_cpus = num_available_cpus() if num_cpus is None else num_cpus
     return max(1, num_cpus // num_local_ranks)
+
+
+def num_available_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def oversubscription_warning(num_local_ranks: int, num_cpus: int | None = None) -> str | None:
+    """A warning when ``num_local_ranks`` engine processes share fewer CPU cores than there are
+    processes (each then runs one thread on a core it shares: every step slows down); None
+    otherwise."""
+    num_cpus = num_available_cpus() if num_cpus is None else num_cpus
+    if num_local_ranks <= num_cpus:
+        return None
+    return (f"{num_local_ranks} engine processes on {num_cpus} CPU cores: they share cores "
+            f"(oversubscribed) and every step will be slow; use at most {num_cpus} ranks on "
+            f"this machine")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import zmq
 
-from atom.config import EngineConfig, resolve_num_threads
+from atom.config import EngineConfig, oversubscription_warning, resolve_num_threads
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -404,6 +404,9 @@ class SpawnedRanks:
               extra_eos_token_ids: tuple[int, ...]) -> None:
         n = config.data_parallel_size
         num_threads = resolve_num_threads(config.num_threads, num_local_ranks=n)
+        warning = oversubscription_warning(n)
+        if warning is not None:
+            logger.warning("%s", warning)
         port = _free_port() if n > 1 else 0
         for rank in range(n):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),

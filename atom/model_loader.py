@@ -373,6 +373,33 @@ def load_model_weights(
     return config, state_dict
 
 
+#: llama.cpp's GGUF keys for a model's recommended sampling, and generation_config.json's
+_GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                       "general.sampling.top_k": "top_k"}
+_HF_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def recommended_sampling(model: str | os.PathLike | None) -> dict[str, float | int]:
+    """The sampling settings the model's own files recommend (``temperature``, ``top_p``,
+    ``top_k``): a Hugging Face folder's ``generation_config.json``, or a GGUF's
+    ``general.sampling.*`` metadata (llama.cpp's keys); ``{}`` when they carry none (the
+    embedded SmolLM2 GGUF carries none).
+
+    Raises:
+        FileNotFoundError: the model cannot be found (see :func:`resolve_model_path`).
+    """
+    path = resolve_model_path(model)
+    if path.is_dir():
+        gen = path / "generation_config.json"
+        config = json.loads(gen.read_text()) if gen.is_file() else {}
+        return {k: config[k] for k in _HF_SAMPLING_KEYS if isinstance(config.get(k), (int, float))}
+    import gguf  # lazy, as in _load_gguf
+
+    reader = gguf.GGUFReader(str(path))
+    found = {name: _gguf_field(reader, key) for key, name in _GGUF_SAMPLING_KEYS.items()}
+    return {name: value for name, value in found.items() if isinstance(value, (int, float))}
+
+
 def load_tokenizer(model: str | os.PathLike | None, *, use_cache: bool = True):
     """A transformers fast tokenizer (with the chat template) for ``model`` (same forms as
     :func:`load_model_weights`).

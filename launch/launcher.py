@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -70,7 +71,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from atom.config import resolve_num_threads
+from atom.config import oversubscription_warning, resolve_num_threads
 from atom.launch import env as launch_env
 from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
 from atom.launch.supervisor import Outcome, StopSignals, Supervisor, wait_for_other_nodes
@@ -156,6 +157,9 @@ def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error
 
 def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str) -> list[WorkerSpec]:
     argv = tuple(worker_argv(config))
+    warning = oversubscription_warning(config.nproc_per_node)
+    if warning is not None:
+        logger.warning("%s", warning)
     specs = []
     for local_rank in range(config.nproc_per_node):
         rank = config.node_rank * config.nproc_per_node + local_rank
@@ -193,7 +197,7 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
     specs = _worker_specs(config, master_port=store.port, log_dir=log_dir)
     logger.info("node %d/%d: starting ranks %d-%d of %d (store %s, logs %s): %s",
                 config.node_rank, config.nnodes, specs[0].rank, specs[-1].rank,
-                config.world_size, store.address, log_dir, " ".join(specs[0].argv))
+                config.world_size, store.address, log_dir, shlex.join(specs[0].argv))
     with StopSignals() as signals:
         try:
             workers = start_workers(specs, console=console)
@@ -210,7 +214,10 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                      else config.rdzv_timeout_s)
             wait_for_other_nodes(store, signals, timeout_s=grace)
     _report(outcome, config=config, log_dir=log_dir)
-    if own_log_dir and outcome.exit_code == 0:
+    # the logs of a failure stay (the report names the folder); a clean exit or a stop the user
+    # asked for (Ctrl-C, SIGTERM) leaves nothing behind
+    stopped_on_request = outcome.signal is not None and outcome.failure is None
+    if own_log_dir and (outcome.exit_code == 0 or stopped_on_request):
         shutil.rmtree(log_dir, ignore_errors=True)
     return outcome.exit_code
 

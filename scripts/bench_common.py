@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import pathlib
 
-#: W1 (``shared/bench/w1_prompts.json``), found beside the repository checkout.
-DEFAULT_DATASET = pathlib.Path(__file__).resolve().parents[2] / "shared/bench/w1_prompts.json"
+#: W1, the standard workload, shipped in the repository (``atom/data/w1_prompts.json``).
+DEFAULT_DATASET = pathlib.Path(__file__).resolve().parents[1] / "atom" / "data" / "w1_prompts.json"
 
 
 def write_json_report(path: pathlib.Path, report: dict) -> None:

@@ -1,6 +1,6 @@
 """atom vs vLLM's CPU build, side by side on identical prompt token ids (issue 7).
 
-Workloads (prompt token ids from ``--dataset``, default ``../shared/bench/w1_prompts.json``),
+Workloads (prompt token ids from ``--dataset``, default W1: ``atom/data/w1_prompts.json``),
 all greedy with EOS ignored, prefix caching on, warm-up excluded:
 
 - ``w1``: the 64 W1 prompts x 128 output tokens (the reference workload);

@@ -1,8 +1,8 @@
 """Offline throughput benchmark (thin wrapper): the implementation is atom/entrypoints/bench.py,
 so ``atom bench offline ...`` and ``python scripts/bench_offline.py ...`` are the same program.
 
-W1: ``python scripts/bench_offline.py --dataset ../shared/bench/w1_prompts.json --max-tokens 128
---dtype bfloat16 --compare-hf``. Run with ``--help`` for every flag.
+W1 (the default dataset): ``python scripts/bench_offline.py --max-tokens 128
+--compare-hf``. Run with ``--help`` for every flag.
 """
 
 import sys

@@ -1,8 +1,9 @@
 """Offline throughput benchmark: ``atom bench offline`` (and ``scripts/bench_offline.py``).
 
-Workload: prompts from a JSON file (W1 format, ``../shared/bench/w1_prompts.json``: a list of
-``{"text", "ids"}``; the ``ids`` are used so every engine sees identical tokens) or random token
-prompts (``--random-input-len``, optionally varied by ``--random-range-ratio``). Every request
+Workload: prompts from a JSON file (W1 format: a list of ``{"text", "ids"}``; the ``ids`` are
+used so every engine sees identical tokens), by default W1 itself (shipped in the package,
+:data:`W1_DATASET`: 64 chat prompts of 112-144 tokens), or random token prompts
+(``--random-input-len``, optionally varied by ``--random-range-ratio``). Every request
 generates exactly ``--max-tokens`` tokens (greedy, ``ignore_eos``). All requests go to one
 ``LLM.generate`` call; a warm-up run on other (random) prompts comes first and is not measured.
 
@@ -12,9 +13,8 @@ run, through Hugging Face transformers ``generate`` on the same weights and dtyp
 left padding and an explicit attention mask, ``--hf-batch-size`` prompts per batch, EOS
 suppressed so every prompt gets the same number of new tokens) and prints the ratio.
 
-W1 (the reference workload): ``atom bench offline --dataset ../shared/bench/w1_prompts.json
---max-tokens 128 --dtype bfloat16 --compare-hf`` (on a CPU without native bf16 matmuls,
-``--dtype auto`` picks float32, much faster there).
+W1 (the reference workload): ``atom bench offline --max-tokens 128 --compare-hf`` (with
+``--dtype auto``: bfloat16 on a CPU with native bf16 matmuls, float32 elsewhere).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import numpy as np
 from atom.config import EngineConfig, add_engine_args
 
 
+#: W1, the standard workload (64 chat-formatted prompts for the embedded model, 112-144 tokens).
+W1_DATASET = pathlib.Path(__file__).resolve().parents[1] / "data" / "w1_prompts.json"
 _PERCENTILES = (50, 90, 99)
 _NUM_WARMUP_PROMPTS = 4
 _NUM_WARMUP_TOKENS = 8
@@ -64,7 +66,8 @@ class RunResult:
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags plus every engine option (generated from EngineConfig)."""
     parser.add_argument("--dataset", type=pathlib.Path,
-                        help="JSON list of {'text', 'ids'} prompts (W1: ../shared/bench/w1_prompts.json)")
+                        help="JSON list of {'text', 'ids'} prompts (default: W1, shipped with "
+                             "atom, unless --random-input-len is given)")
     parser.add_argument("--random-input-len", type=int,
                         help="use random token prompts of this length instead of --dataset")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -89,10 +92,10 @@ def load_prompts(args: argparse.Namespace, vocab_size: int, special_ids: list[in
     """(prompt token ids, output tokens per request) of the workload.
 
     Raises:
-        ValueError: neither or both of --dataset and --random-input-len, or a bad dataset.
+        ValueError: both --dataset and --random-input-len, or a bad dataset.
     """
     check_workload_args(args)
-    if args.dataset is not None:
+    if args.random_input_len is None:
         items = json.loads(args.dataset.read_text())
         if not isinstance(items, list) or not all(isinstance(x, dict) and "ids" in x for x in items):
             raise ValueError(f"{args.dataset}: expected a JSON list of {{'text', 'ids'}} objects")
@@ -104,9 +107,19 @@ def load_prompts(args: argparse.Namespace, vocab_size: int, special_ids: list[in
 
 
 def check_workload_args(args: argparse.Namespace) -> None:
-    """Raises ValueError unless exactly one workload source is given."""
-    if (args.dataset is None) == (args.random_input_len is None):
-        raise ValueError("pass exactly one of --dataset FILE or --random-input-len N")
+    """Check the workload flags before the (slow) engine start; with neither ``--dataset`` nor
+    ``--random-input-len``, ``args.dataset`` becomes W1.
+
+    Raises:
+        ValueError: both given, or a dataset file that does not exist.
+    """
+    if args.dataset is not None and args.random_input_len is not None:
+        raise ValueError("pass one of --dataset FILE or --random-input-len N, not both")
+    if args.random_input_len is None:
+        args.dataset = args.dataset or W1_DATASET
+        if not args.dataset.is_file():
+            raise ValueError(f"--dataset {args.dataset}: no such file (leave --dataset out to "
+                             f"use W1, which ships with atom)")
 
 
 def random_prompts(num_prompts: int, input_len: int, range_ratio: float, *, vocab_size: int,
@@ -241,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {len(prompts)} prompts x {max_tokens} output tokens, greedy, ignore_eos, "
           f"{config.resolved_dtype()}, {config.resolved_num_threads()} threads")
     print(format_table(results))
-    report = {"workload": {"dataset": str(args.dataset) if args.dataset else None,
+    report = {"workload": {"dataset": None if args.random_input_len else str(args.dataset),
                            "num_prompts": len(prompts), "max_tokens": max_tokens,
                            "random_input_len": args.random_input_len},
               "engine_config": asdict(config), "dtype": config.resolved_dtype(), "results": [r.to_json() for r in results]}

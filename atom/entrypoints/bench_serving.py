@@ -102,7 +102,7 @@ def add_bench_serve_parser(subparsers, formatter_class=argparse.ArgumentDefaults
                                    description=__doc__.split("\n\n")[0],
                                    formatter_class=formatter_class)
     add_bench_serve_args(parser)
-    parser.set_defaults(func=run, subparser=parser)
+    parser.set_defaults(func=run)
 
 
 # ----- workload -----
@@ -335,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         print("errors:", *summary["errors"], sep="\n  ")
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
     report = {"args": {k: str(v) if isinstance(v, pathlib.Path) else v
-                       for k, v in vars(args).items() if k not in ("func", "subparser", "api_key")},
+                       for k, v in vars(args).items() if k not in ("func", "runs_engine", "api_key")},
               "summary": summary, "requests": [asdict(r) for r in results]}
     args.output_json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output_json}")

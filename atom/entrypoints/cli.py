@@ -1,9 +1,17 @@
 """The ``atom`` command line.
 
-- ``atom generate --prompt TEXT [--prompt TEXT ...]``: generate and print one completion per prompt
-  (``--chat`` wraps each prompt as a user message through the chat template).
+- ``atom generate --prompt TEXT [--prompt TEXT ...]``: one prompt streams its completion as it
+  is generated (Ctrl-C stops it, keeping what was printed); several run as one batch and print
+  in order, each under a ``[i/N]`` label (``--chat`` wraps each prompt as a user message
+  through the chat template).
 - ``atom chat``: interactive; each line you type is a user turn, the reply streams as it is
-  generated; Ctrl-C or EOF (Ctrl-D) ends the session (exit code 0).
+  generated; Ctrl-C stops the reply (the session goes on), Ctrl-C at the prompt or EOF (Ctrl-D)
+  ends the session (exit code 0). Sampling defaults to what the model's files recommend
+  (``generation_config.json``, or a GGUF's ``general.sampling.*`` keys), else
+  :data:`CHAT_SAMPLING_DEFAULTS`.
+
+Errors in the options or the inputs (a model that does not exist, a bad value) are one line on
+stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
 - ``atom serve``: the OpenAI-compatible server (:mod:`atom.entrypoints.openai.api_server`).
 - ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`);
   ``atom bench serve ...``: the serving benchmark (:mod:`atom.entrypoints.bench_serving`).
@@ -25,23 +33,41 @@ from atom.config import EngineConfig, add_engine_args
 from atom.sampling_params import SamplingParams
 
 _DEFAULT_MAX_TOKENS = 256
+#: Chat's sampling when the model's files recommend none: the values SmolLM2's model card
+#: suggests for its instruct models (at temperature 1.0 a 135M model mostly rambles).
+CHAT_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def _add_sampling_args(parser: argparse.ArgumentParser, *, chat: bool = False) -> None:
     defaults = SamplingParams()
     parser.add_argument("--max-tokens", type=int, default=_DEFAULT_MAX_TOKENS,
                         help="output tokens per reply at most")
-    parser.add_argument("--temperature", type=float, default=defaults.temperature,
-                        help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p)
+    source = "the model's recommendation, else " if chat else ""
+    temperature = CHAT_SAMPLING_DEFAULTS["temperature"] if chat else defaults.temperature
+    top_p = CHAT_SAMPLING_DEFAULTS["top_p"] if chat else defaults.top_p
+    parser.add_argument("--temperature", type=float, default=None if chat else temperature,
+                        help=f"0 = greedy (default: {source}{temperature})")
+    parser.add_argument("--top-p", type=float, default=None if chat else top_p,
+                        help=f"nucleus sampling: keep the most likely tokens up to this "
+                             f"probability mass, in (0, 1] (default: {source}{top_p})")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
     add_engine_args(parser)
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+def _sampling_params(args: argparse.Namespace, defaults: dict | None = None) -> SamplingParams:
+    """The request's sampling from the flags; unset ones (chat) from ``defaults``."""
+    defaults = defaults or {}
+    chosen = {k: getattr(args, k) for k in ("temperature", "top_p") if getattr(args, k) is not None}
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                          **{**defaults, **chosen})
+
+
+def _chat_sampling_defaults(model: str | None) -> dict:
+    """What the model recommends (temperature, top_p, top_k), else CHAT_SAMPLING_DEFAULTS."""
+    from atom.model_loader import recommended_sampling
+
+    return recommended_sampling(model) or dict(CHAT_SAMPLING_DEFAULTS)
 
 
 def _make_llm(args: argparse.Namespace):
@@ -53,13 +79,15 @@ def _make_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     llm = _make_llm(args)
+    prompts = args.prompt
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-    else:
-        outputs = llm.generate(args.prompt, params)
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if len(prompts) == 1:
+        return _stream_one(llm, prompts[0], params)
     rc = 0
-    for out in outputs:
+    for i, out in enumerate(llm.generate(prompts, params), start=1):
         completion = out.outputs[0]
+        print(f"[{i}/{len(prompts)}]", flush=True)
         if completion.finish_reason == "error":
             print(f"atom generate: error: {completion.error}", file=sys.stderr)
             rc = 1
@@ -68,38 +96,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return rc
 
 
+def _stream_one(llm, prompt: str, params: SamplingParams) -> int:
+    """Print one completion as it is generated; Ctrl-C stops it (what was printed stays)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # see cmd_chat
+    try:
+        for piece in llm.stream(prompt, params):
+            print(piece, end="", flush=True)
+    except ValueError as exc:  # the prompt cannot run
+        print(f"atom generate: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(flush=True)
+        return 130
+    print(flush=True)
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     # Ctrl-C must end the chat even when this process inherited SIGINT as ignored (a child of a
     # non-interactive shell's background job, or of a test runner): Python only installs its
     # KeyboardInterrupt handler at start-up when SIGINT is not ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        params = _sampling_params(args)
+        params = _sampling_params(args, _chat_sampling_defaults(args.model))
         llm = _make_llm(args)
         conversation = [{"role": "system", "content": args.system}] if args.system else []
         prompt = "> " if sys.stdin.isatty() else ""
         while True:
             try:
                 line = input(prompt)
-            except EOFError:
+            except EOFError:  # Ctrl-D: end the session on a fresh line
+                print(flush=True)
                 break
             if not line.strip():
                 continue
             conversation.append({"role": "user", "content": line})
-            reply = []
-            try:
-                for piece in llm.stream(llm.apply_chat_template(conversation), params):
-                    print(piece, end="", flush=True)
-                    reply.append(piece)
-            except ValueError as exc:  # this turn cannot run (e.g. the conversation got too long)
+            reply = _chat_turn(llm, conversation, params)
+            if reply is None:
                 conversation.pop()
-                print(f"atom chat: error: {exc}", file=sys.stderr)
-                continue
-            print(flush=True)
-            conversation.append({"role": "assistant", "content": "".join(reply)})
-    except KeyboardInterrupt:  # Ctrl-C ends the session, not an error
+            else:
+                conversation.append({"role": "assistant", "content": reply})
+    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session, not an error
         print(flush=True)
     return 0
+
+
+def _chat_turn(llm, conversation: list[dict], params: SamplingParams) -> str | None:
+    """Stream one reply; Ctrl-C stops the reply (what was said so far is kept). None when the
+    turn cannot run (e.g. the conversation outgrew the context)."""
+    reply = []
+    try:
+        for piece in llm.stream(llm.apply_chat_template(conversation), params):
+            print(piece, end="", flush=True)
+            reply.append(piece)
+    except ValueError as exc:
+        print(f"atom chat: error: {exc}", file=sys.stderr)
+        return None
+    except KeyboardInterrupt:  # the stream's generator closed: the request was aborted
+        print(" [stopped]", end="")
+    print(flush=True)
+    return "".join(reply)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,12 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the chat template")
     _add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate, subparser=gen)
+    gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming replies", formatter_class=fmt)
     chat.add_argument("--system", help="system message of the conversation")
-    _add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat, subparser=chat)
+    _add_sampling_args(chat, chat=True)
+    chat.set_defaults(func=cmd_chat)
 
     from atom.entrypoints.openai.cli_args import add_serve_parser
 
@@ -134,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline = bench_sub.add_parser("offline", help="offline throughput (scripts/bench_offline.py)",
                                    description=bench.__doc__.split("\n\n")[0], formatter_class=fmt)
     bench.add_offline_args(offline)
-    offline.set_defaults(func=bench.run, subparser=offline)
+    offline.set_defaults(func=bench.run)
     from atom.entrypoints import bench_serving
 
     bench_serving.add_bench_serve_parser(bench_sub, fmt)
@@ -166,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                 return launched.run_rank(argv, EngineConfig.from_kwargs(
                     **{f.name: getattr(args, f.name) for f in fields(EngineConfig)}))
         return args.func(args)
-    except ValueError as exc:  # a bad option value: say which, like argparse does
-        args.subparser.error(str(exc))
+    except (ValueError, FileNotFoundError) as exc:  # a bad option or input: one line, like argparse
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"atom {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

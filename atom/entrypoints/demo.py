@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     t0 = time.perf_counter()
-    llm = LLM(dtype=args.dtype, num_kv_blocks=256)
+    llm = LLM(dtype=args.dtype, num_kv_blocks=256, max_model_len=4096)  # the pool holds one full sequence
     print(f"engine started in {time.perf_counter() - t0:.1f} s")
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

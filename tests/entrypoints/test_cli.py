@@ -85,6 +85,18 @@ def test_bench_offline_random_workload(tmp_path):
     assert set(atom["ttft_ms"]) == {"p50", "p90", "p99"} and atom["output_tokens_per_s"] > 0
 
 
-def test_bench_offline_needs_a_workload():
-    proc = _run("bench", "offline", *SMALL_ENGINE)
-    assert proc.returncode == 2 and "--dataset" in proc.stderr
+def test_bench_offline_workload_errors_are_one_line_before_the_engine_starts(tmp_path):
+    missing = tmp_path / "nope.json"
+    proc = _run("bench", "offline", "--dataset", str(missing), *SMALL_ENGINE)
+    assert proc.returncode == 2 and f"--dataset {missing}: no such file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _run("bench", "offline", "--dataset", str(missing), "--random-input-len", "8",
+                *SMALL_ENGINE)
+    assert proc.returncode == 2 and "not both" in proc.stderr
+
+
+def test_w1_ships_with_atom():
+    from atom.entrypoints.bench import W1_DATASET
+
+    items = json.loads(W1_DATASET.read_text())
+    assert len(items) == 64 and all(112 <= len(x["ids"]) <= 144 for x in items)

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib.metadata
 import logging
 import secrets
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -198,6 +200,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", offset): not a field
+            message = (f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')}"
+                       f" at offset {first.get('loc', ('', '?'))[-1]}): send a JSON object")
+            return JSONResponse(p.ErrorResponse(error=p.ErrorInfo(
+                message=message, type="invalid_request_error")).model_dump(), status_code=400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None  # the request field (deeper parts are pydantic's)
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
@@ -235,9 +242,14 @@ def run_server(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.skip_tokenizer_init:
         raise ValueError("atom serve needs the tokenizer: drop --skip-tokenizer-init")
+    listener = bind_listener(args.host, args.port)  # before the engine: a busy port fails fast
     model_name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
     metrics = ServerMetrics(model_name)
-    engine = build_engine(config)
+    try:
+        engine = build_engine(config)
+    except BaseException:
+        listener.close()
+        raise
     async_engine = AsyncEngine(engine, on_finished=metrics.record_finished)
     try:
         serving = OpenAIServing(async_engine, engine.tokenizer, model_name=model_name,
@@ -247,15 +259,46 @@ def run_server(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),
             access_log=args.access_log, timeout_graceful_shutdown=args.drain_timeout))
-        # uvicorn re-raises the signal that stopped it once it has drained; with these
-        # handlers that re-raise only logs, so a drained server exits 0 instead of dying by it
+        # uvicorn re-raises every signal it caught once it has drained (a launched front end
+        # may get SIGTERM twice: from the launcher and from rank 0); with this handler a
+        # re-raise only logs, once, so a drained server exits 0 instead of dying by it
+        drained: set[int] = set()
+
+        def on_drained(signum: int, frame: Any) -> None:
+            if not drained:
+                logger.info("drained after %s; shutting the engine down",
+                            signal.Signals(signum).name)
+            drained.add(signum)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _drained)
-        server.run()
+            signal.signal(sig, on_drained)
+        server.run(sockets=[listener])
     finally:
         async_engine.shutdown()
+        listener.close()
     return 0
 
 
-def _drained(signum: int, frame: Any) -> None:
-    logger.info("drained after %s; shutting the engine down", signal.Signals(signum).name)
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the engine loads (uvicorn serves on it).
+
+    Raises:
+        ValueError: the address cannot be bound (the port is in use, or the host is not an
+            address of this machine); the message says which flag to change.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ValueError(f"--host {host}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use: stop what holds it or "
+                             f"pick another --port") from exc
+        raise ValueError(f"cannot bind {host}:{port} ({exc}): check --host and --port") from exc
+    return sock
+

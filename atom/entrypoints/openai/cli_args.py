@@ -26,10 +26,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_parser(subparsers, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> None:
     """Register ``serve`` on the ``atom`` command's subparsers."""
-    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                                  formatter_class=formatter_class)
+    serve = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", formatter_class=formatter_class,
+        description="The OpenAI API (completions, chat completions, models) over HTTP. As in "
+                    "vLLM, a request without max_tokens generates until EOS, a stop, or the "
+                    "model's context (--max-model-len): send max_tokens to bound it.")
     add_serve_args(serve)
-    serve.set_defaults(func=_run, subparser=serve)
+    serve.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
