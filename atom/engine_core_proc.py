@@ -55,6 +55,7 @@ from atom.messages import (
     decode_input,
     encode,
 )
+from atom.parent_watch import watch_parent
 
 if TYPE_CHECKING:
     from atom.engine_core import EngineCore
@@ -188,6 +189,7 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one EngineCore process; returns its exit code (0 on a clean shutdown, 1 on error)."""
+    watch_parent()  # first: a front end that dies before ready must not leave us running
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     args = _parse_args(argv)

@@ -63,6 +63,7 @@ from atom.messages import (
     WaveWakeup,
     encode,
 )
+from atom.parent_watch import watch_parent
 
 if TYPE_CHECKING:
     from atom.dp.groups import DPGroups
@@ -311,6 +312,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
 def main(argv: list[str] | None = None) -> int:
     """Run one DP rank started by the DP client; returns its exit code (0 on a clean
     shutdown, 1 on error)."""
+    watch_parent()  # first: a front end that dies before ready must not leave us running
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     args = _parse_args(argv)
