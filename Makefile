@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 
 .PHONY: setup run test clean model
 
-setup: $(VENV)/.stamp-install model
+setup: $(VENV)/.stamp-install $(VENV)/.stamp-kernels model
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ $(VENV)/.stamp-torch: | $(PY)
 $(VENV)/.stamp-install: $(VENV)/.stamp-torch pyproject.toml setup.py
 	$(PIP) install -e .
 	touch $@
+
+# atom's C++ CPU kernels, built once into .venv/atom-kernels (kernels/build.py says where and
+# why); redone when their sources change. A failed build does not stop the set-up: the engine
+# runs on the torch paths, the kernel tests fail and say why, and no stamp is written, so the
+# next make tries again.
+$(VENV)/.stamp-kernels: $(VENV)/.stamp-install kernels/build.py $(wildcard kernels/csrc/*)
+	$(PY) -m atom.kernels.build && touch $@ \
+	  || echo "make: atom's CPU kernels did not build (see above); the torch paths will run"
 
 # Fetch (first time) and sha256-verify the embedded SmolLM2-135M-Instruct GGUF. Always run:
 # it is a quick hash check once the file is cached, and re-fetches a missing/corrupted file.

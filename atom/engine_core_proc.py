@@ -18,7 +18,9 @@ Lifecycle and exit codes:
 - the loop: with no work, block on the input socket (no busy spinning; it wakes once a second
   only to notice a dead parent); with work, drain every pending input without blocking, then
   :meth:`EngineCore.step`, then send the step's outputs (if any);
-- :class:`~atom.messages.Shutdown` (or SIGTERM) → exit 0; the parent gone → exit 0;
+- :class:`~atom.messages.Shutdown` (or SIGTERM) → exit 0; the parent gone → exit 0 (the busy
+  loop notices; before it runs, :func:`atom.parent_watch.watch_parent`, started first thing,
+  turns the parent's death into a SIGTERM);
 - an exception in start-up or the loop → the traceback on stderr, nothing more is sent,
   exit 1. A client notices the exit code (``EngineDeadError``).
 
@@ -58,6 +60,7 @@ from atom.messages import (
     encode,
     request_of_bad_frame,
 )
+from atom.parent_watch import watch_parent
 
 if TYPE_CHECKING:
     from atom.engine_core import EngineCore
@@ -210,6 +213,7 @@ def run_process(argv: list[str] | None, body: Callable[[argparse.Namespace], Non
     Returns the exit code: 0 after a clean shutdown (Shutdown, SIGTERM, the parent gone), 1
     when start-up or the loop raised (the traceback is logged on stderr).
     """
+    watch_parent()  # first: a front end that dies before ready must not leave us running
     install_signal_handlers()
     rank_label = os.environ.get("RANK", "0")
     try:

@@ -1,16 +1,33 @@
-// Python bindings of the atom_cpu_kernels extension (loaded by atom.kernels.cpu_ops).
+// Registers the ops of ops.h as torch.ops.atom_kernels.<name> (loaded by atom.kernels.cpu_ops
+// with torch.ops.load_library). Dispatcher registration, not a Python module: no pybind11 and no
+// Python headers to compile, and the schemas tell torch which arguments an op writes (a!).
+#include <torch/library.h>
+
 #include "ops.h"
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+TORCH_LIBRARY(atom_kernels, m) {
+  // Decode attention read in place from the paged KV cache (float32 output).
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  // RMSNorm of float32 rows.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // residual += x in place, then RMSNorm of residual (float32).
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  // silu(gate) * up of [T, 2I] float32 rows.
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  // Rotary embedding of the query and key heads of a fused qkv tensor, in place (float32).
+  m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, "
+        "int num_kv_heads) -> ()");
+  // Row-wise logsumexp and first argmax of float32 [S, V] (sampling).
+  m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   using namespace atom_kernels;
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention read in place from the paged KV cache (float32 output)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm,
-        "residual += x in place, then RMSNorm of residual (float32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] float32 rows");
-  m.def("rotary_embedding_", &rotary_embedding_,
-        "Rotary embedding of the query and key heads of a fused qkv tensor, in place (float32)");
-  m.def("logsumexp_argmax", &logsumexp_argmax,
-        "Row-wise logsumexp and first argmax of float32 [S, V] (sampling)");
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("logsumexp_argmax", &logsumexp_argmax);
 }

@@ -4,12 +4,14 @@
 // one dispatch instead of several); the math is that of the torch reference paths in
 // atom.kernels.fused, which the tests compare against.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 
 #include "ops.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace atom_kernels {
@@ -42,19 +44,19 @@ inline void rms_norm_row(float* out, const float* x, const float* w, int64_t n, 
   for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               name, ": expects a float32 [T, N] tensor with contiguous rows");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
               "rms_norm: weight must be float32 [N]");
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -65,15 +67,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                 double eps) {
+at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                              double eps) {
   check_rows(x, "fused_add_rms_norm");
   check_rows(residual, "fused_add_rms_norm");
   TORCH_CHECK(x.sizes() == residual.sizes(), "fused_add_rms_norm: x and residual shapes differ");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
               "fused_add_rms_norm: weight must be float32 [N]");
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -90,11 +92,11 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
   return out;
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_rows(x, "silu_and_mul");
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even (gate, up)");
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
@@ -119,7 +121,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                        int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "rotary_embedding_");
   check_rows(cos, "rotary_embedding_");
@@ -163,12 +165,12 @@ void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> logsumexp_argmax(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor> logsumexp_argmax(at::Tensor x) {
   check_rows(x, "logsumexp_argmax");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(n > 0, "logsumexp_argmax: rows must not be empty");
-  auto lse = torch::empty({rows}, x.options());
-  auto ids = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto lse = at::empty({rows}, x.options());
+  auto ids = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();

@@ -16,8 +16,9 @@
 // dependent FMAs, latency-bound at a few GFLOP/s. With AVX2+FMA (-march=native on such a
 // machine) and head_dim % 8 == 0 the tiled path runs; otherwise a scalar loop computes the same.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include "ops.h"
@@ -242,8 +243,8 @@ void decode_kernel(float* out, const T* q, const T* k_cache, const T* v_cache,
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (same dtype as q, float32 or
 // bfloat16, contiguous); block_tables int64 [S, >= max blocks]; context_lens int64 [S], >= 1.
 // Returns float32 [S, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens,
                                      double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q [S, H, D], caches [num_blocks, block_size, H_kv, D]");
@@ -262,7 +263,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty({num_seqs, num_heads, head_dim}, q.options().dtype(at::kFloat));
+  auto out = at::empty({num_seqs, num_heads, head_dim}, q.options().dtype(at::kFloat));
   if (num_seqs == 0) return out;
   const auto launch = [&](auto* q_ptr, auto* k_ptr, auto* v_ptr) {
     decode_kernel(out.data_ptr<float>(), q_ptr, k_ptr, v_ptr, tables.data_ptr<int64_t>(),

@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.kernels import cpu_ops
 from atom.kernels.attention import decode_attention, gather_kv, paged_decode_attention
 
-ops = cpu_ops.load()
-pytestmark = pytest.mark.skipif(ops is None, reason="the C++ kernels could not be built here")
+# Every test takes the `ops` fixture (conftest.py): a kernel that did not build fails them.
 
 
 def _random_case(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -43,7 +41,7 @@ def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("head_dim", [64, 12])  # 12: not a multiple of 8 (scalar loop)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
-def test_kernel_matches_reference_fp32(head_dim, num_heads, num_kv_heads):
+def test_kernel_matches_reference_fp32(ops, head_dim, num_heads, num_kv_heads):
     q, kc, vc, tables, lens = _random_case(num_seqs=7, num_heads=num_heads,
                                            num_kv_heads=num_kv_heads, head_dim=head_dim,
                                            block_size=16, max_len=70, dtype=torch.float32)
@@ -56,7 +54,7 @@ def test_kernel_matches_reference_fp32(head_dim, num_heads, num_kv_heads):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_bf16_close_to_fp32_math():
+def test_kernel_bf16_close_to_fp32_math(ops):
     q, kc, vc, tables, lens = _random_case(num_seqs=5, num_heads=9, num_kv_heads=3, head_dim=64,
                                            block_size=16, max_len=40, dtype=torch.bfloat16)
     out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
@@ -65,7 +63,7 @@ def test_kernel_bf16_close_to_fp32_math():
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_attention_uses_kernel_and_keeps_dtype():
+def test_decode_attention_uses_kernel_and_keeps_dtype(ops):
     q, kc, vc, tables, lens = _random_case(num_seqs=3, num_heads=9, num_kv_heads=3, head_dim=64,
                                            block_size=16, max_len=33, dtype=torch.bfloat16)
     out = decode_attention(q, kc, vc, tables, lens, scale=0.125)
@@ -74,7 +72,7 @@ def test_decode_attention_uses_kernel_and_keeps_dtype():
                                .to(torch.bfloat16))
 
 
-def test_kernel_rejects_bad_inputs():
+def test_kernel_rejects_bad_inputs(ops):
     q, kc, vc, tables, lens = _random_case(num_seqs=2, num_heads=9, num_kv_heads=3, head_dim=64,
                                            block_size=16, max_len=20, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="int64"):

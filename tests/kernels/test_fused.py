@@ -6,27 +6,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.kernels import cpu_ops, fused
+from atom.kernels import fused
 
-ops = cpu_ops.load()
-needs_kernels = pytest.mark.skipif(ops is None, reason="the C++ kernels could not be built here")
+# Tests of the compiled kernels take the `ops` fixture (conftest.py): a kernel that did not build
+# fails them.
 
 
 def _randn(*shape, scale=1.0, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-@needs_kernels
 @pytest.mark.parametrize("n", [576, 13])  # 13: the scalar tail after the 8-wide loop
 @pytest.mark.parametrize("rows", [1, 70])
-def test_rms_norm_matches_reference(n, rows):
+def test_rms_norm_matches_reference(ops, n, rows):
     x, w = _randn(rows, n, scale=3.0), _randn(n, seed=1)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5),
                                rtol=1e-6, atol=1e-6)
 
 
-@needs_kernels
-def test_fused_add_rms_norm_updates_residual_in_place():
+def test_fused_add_rms_norm_updates_residual_in_place(ops):
     x, residual, w = _randn(33, 576), _randn(33, 576, seed=2), _randn(576, seed=3)
     expected_sum = residual + x
     expected = fused.rms_norm_reference(expected_sum, w, 1e-5)
@@ -35,18 +33,16 @@ def test_fused_add_rms_norm_updates_residual_in_place():
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
-@needs_kernels
 @pytest.mark.parametrize("n", [1536, 13])
-def test_silu_and_mul_matches_reference(n):
+def test_silu_and_mul_matches_reference(ops, n):
     x = _randn(40, 2 * n, scale=4.0)
     x[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # clamped exp, exact zero
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
-@needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 12])  # 12: half = 6, the scalar loop only
-def test_rotary_embedding_in_place_matches_reference(head_dim):
+def test_rotary_embedding_in_place_matches_reference(ops, head_dim):
     num_heads, num_kv_heads, rows = 9, 3, 21
     qkv = _randn(rows, (num_heads + 2 * num_kv_heads) * head_dim)
     cos, sin = _randn(rows, head_dim, seed=4), _randn(rows, head_dim, seed=5)
@@ -62,8 +58,7 @@ def test_rotary_embedding_in_place_matches_reference(head_dim):
     assert torch.equal(out_v, v)  # values are not rotated
 
 
-@needs_kernels
-def test_kernels_reject_wrong_dtype_and_shape():
+def test_kernels_reject_wrong_dtype_and_shape(ops):
     with pytest.raises(RuntimeError, match="float32"):
         ops.rms_norm(_randn(2, 8).double(), _randn(8).double(), 1e-5)
     with pytest.raises(RuntimeError, match="even"):
@@ -88,9 +83,8 @@ def test_bfloat16_takes_the_torch_path():
     assert torch.equal(qkv[:, 24:], values)
 
 
-@needs_kernels
 @pytest.mark.parametrize("vocab", [49152, 1003, 5])  # 1003: a tail after the 8-wide loop; 5: only the tail
-def test_logsumexp_argmax_matches_torch(vocab):
+def test_logsumexp_argmax_matches_torch(ops, vocab):
     x = _randn(9, vocab, scale=6.0)
     x[1, :] = 0.5  # all tied: the first index wins
     x[2, [vocab // 2, vocab - 1]] = 1e3  # tie between a lane and the tail
