@@ -6,7 +6,13 @@ import argparse
 
 import pytest
 
-from atom.config import EngineConfig, add_engine_args, config_from_args
+from atom.config import (
+    EngineConfig,
+    add_engine_args,
+    config_from_args,
+    oversubscription_warning,
+    resolve_num_threads,
+)
 
 
 def _parse(argv):
@@ -39,3 +45,16 @@ def test_delayer_default_follows_dp_size():
 def test_validation(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
+
+
+def test_thread_count_is_decided_in_one_place():
+    assert resolve_num_threads(3, num_local_ranks=2, env={"OMP_NUM_THREADS": "7"}, num_cpus=8) == 3
+    assert resolve_num_threads(None, num_local_ranks=2, env={"OMP_NUM_THREADS": "7"}, num_cpus=8) == 7
+    assert resolve_num_threads(None, num_local_ranks=2, env={}, num_cpus=8) == 4
+    assert resolve_num_threads(None, num_local_ranks=3, env={}, num_cpus=2) == 1
+
+
+def test_more_ranks_than_cores_is_warned_about():
+    assert oversubscription_warning(2, num_cpus=2) is None
+    warning = oversubscription_warning(3, num_cpus=2)
+    assert "3 engine processes on 2 CPU cores" in warning and "at most 2" in warning

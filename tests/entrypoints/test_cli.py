@@ -36,6 +36,51 @@ def test_generate_bad_option_is_a_usage_error():
     assert proc.returncode == 2 and "dtype" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("model", ["/tmp/atom-no-such-dir/model.gguf", "HuggingFaceTB/SmolLM2"])
+def test_missing_model_is_one_line(model):
+    proc = _run("generate", "--prompt", "x", "--model", model)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()]  # one line
+    assert proc.stderr.startswith("atom generate: error: model ") and "not found" in proc.stderr
+
+
+def test_generate_labels_several_prompts_in_order():
+    proc = _run("generate", "--prompt", "The capital of France is", "--prompt", "1, 2, 3,",
+                "--max-tokens", "6", "--temperature", "0", *SMALL_ENGINE)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[1/2]" and "[2/2]" in lines and "Paris" in proc.stdout
+
+
+def _stream_then_interrupt(argv: list[str], stdin: bytes | None = None):
+    """Start ``atom ARGV`` with SIGINT inherited as ignored (as under xdist or a background
+    job), wait until it has printed something, send SIGINT; returns (process, first bytes)."""
+    proc = subprocess.Popen([ATOM, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=_ignore_sigint)
+    if stdin is not None:
+        proc.stdin.write(stdin)
+        proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
+    assert ready, "no output started"
+    first = os.read(proc.stdout.fileno(), 64)
+    assert first
+    proc.send_signal(signal.SIGINT)
+    return proc, first
+
+
+def test_generate_streams_and_ctrl_c_keeps_the_partial_text():
+    proc, first = _stream_then_interrupt(
+        ["generate", "--prompt", "Write a long story about a dragon.", "--max-tokens", "3000",
+         "--ignore-eos", "--temperature", "0", "--num-kv-blocks", "200", "--max-model-len", "3200"])
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    text = first + out  # what was printed before Ctrl-C stays, and the line is ended
+    assert len(text) > 1 and text.endswith(b"\n") and b"Traceback" not in err
+
+
 def test_chat_two_turns_then_eof():
     proc = _run("chat", "--max-tokens", "8", "--temperature", "0", *SMALL_ENGINE,
                 stdin="What is the capital of France?\nAnd of Italy?\n")
@@ -49,27 +94,34 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def test_chat_ctrl_c_ends_cleanly():
-    # The child starts with SIGINT ignored (as under xdist or a background job); the chat must
-    # still end on Ctrl-C. ignore_eos and a long max_tokens: without Ctrl-C the reply would
-    # run far past the liveness deadline.
-    proc = subprocess.Popen([ATOM, "chat", "--max-tokens", "3000", "--ignore-eos", "--temperature", "0",
-                             "--num-kv-blocks", "200", "--max-model-len", "3200"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_ignore_sigint)
+def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on():
+    # ignore_eos and a long max_tokens: without Ctrl-C the reply would run far past the
+    # liveness deadline. After it, a second turn is answered; EOF then ends the session.
+    proc, _ = _stream_then_interrupt(
+        ["chat", "--max-tokens", "3000", "--ignore-eos", "--temperature", "0",
+         "--num-kv-blocks", "200", "--max-model-len", "3200"],
+        stdin=b"Write a long story about a dragon.\n")
     try:
-        proc.stdin.write(b"Write a long story about a dragon.\n")
+        out = b""
+        while not out.endswith(b"[stopped]\n"):  # the reply is over: back at the prompt
+            ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
+            assert ready, f"the reply did not stop: {out[-200:]!r}"
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, "the session ended on Ctrl-C"
+            out += chunk
+        # the session goes on: a second turn is answered (and stopped the same way)
+        proc.stdin.write(b"Tell me more.\n")
         proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
-        assert ready, "no reply started"
-        first = os.read(proc.stdout.fileno(), 64)
-        assert first
-        proc.send_signal(signal.SIGINT)  # mid-reply
-        _, err = proc.communicate(timeout=60)
+        assert ready, "no second reply"
+        out += os.read(proc.stdout.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)  # EOF ends the session
     finally:
         proc.kill()
+    out += rest
     assert proc.returncode == 0, err.decode()
-    assert b"Traceback" not in err
+    assert out.count(b"[stopped]") == 2 and out.endswith(b"\n") and b"Traceback" not in err
 
 
 def test_bench_offline_random_workload(tmp_path):

@@ -305,6 +305,8 @@ def test_malformed_json_nan_and_stream_errors_are_400(any_server):
     headers = {**any_server.headers(), "content-type": "application/json"}
     r = httpx.post(any_server.url + "/v1/completions", content=b"{not json", timeout=30, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    error = r.json()["error"]
+    assert error["param"] is None and error["message"].startswith("the request body is not valid JSON")
     for body, param in ((b'{"prompt": "Hi", "temperature": NaN}', "temperature"),
                         (b'{"prompt": "Hi", "logit_bias": {"5": Infinity}}', "logit_bias")):
         r = httpx.post(any_server.url + "/v1/completions", content=body, timeout=30, headers=headers)

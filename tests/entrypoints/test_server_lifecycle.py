@@ -4,13 +4,15 @@ server under ``atom launch``."""
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
 import time
 
 import httpx
 import psutil
 import pytest
 
-from conftest import MODEL, RemoteServer
+from conftest import ATOM, MODEL, RemoteServer
 
 pytestmark = pytest.mark.xdist_group("multiproc")
 
@@ -38,6 +40,18 @@ def test_health_fails_when_the_engine_core_dies():
         assert httpx.get(server.url + "/health", timeout=30).status_code == 503
     finally:
         assert server.stop() == 0
+
+
+def test_a_port_in_use_fails_in_one_line_before_the_engine_loads():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run([ATOM, "serve", "--port", str(port), "--log-level", "INFO"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"atom serve: error: port {port} on 127.0.0.1 is already in "
+                                   f"use: stop what holds it or pick another --port")
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0():

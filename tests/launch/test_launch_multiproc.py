@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -37,12 +38,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_launcher(tmp_path: Path, *opts: str, env: dict[str, str],
-                    name: str = "node0") -> subprocess.Popen:
+def _start_launcher(tmp_path: Path, *opts: str, env: dict[str, str], name: str = "node0",
+                    own_log_dir: bool = False, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``own_log_dir``: no --log-dir (the launcher makes a temporary one); ``extra_args`` go
+    after the worker's own (it ignores them)."""
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "atom.launch", *opts, "--log-dir", str(tmp_path / name),
-           "--", str(WORKER), str(out)]
+    log_dir = () if own_log_dir else ("--log-dir", str(tmp_path / name))
+    cmd = [sys.executable, "-m", "atom.launch", *opts, *log_dir,
+           "--", str(WORKER), str(out), *extra_args]
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
 
@@ -210,7 +214,8 @@ def _read_stdout_until(proc: subprocess.Popen, num_ready: int, deadline: float) 
 def test_stop_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
     """Every rank runs a child of its own (like rank 0's front end); SIGTERM or Ctrl-C's SIGINT
     to the launcher must take down the ranks and their children."""
-    proc = _start_launcher(tmp_path, "--nproc-per-node", "2", env=launcher_env(ATOM_TEST_BLOCK="1"))
+    proc = _start_launcher(tmp_path, "--nproc-per-node", "2", env=launcher_env(ATOM_TEST_BLOCK="1"),
+                           own_log_dir=True, extra_args=("two words",))
     deadline = time.monotonic() + RUN_DEADLINE_S
     _read_stdout_until(proc, 2, deadline)
     pids = _pids(tmp_path, "rank[0-9].pid") + _pids(tmp_path, "rank[0-9].child.pid")
@@ -220,6 +225,10 @@ def test_stop_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
     assert rc == 128 + sig, err
     assert f"stopped by {sig.name}" in err
     _assert_all_gone(pids)
+    # the echoed command keeps its quoting; a stop the user asked for leaves no log folder
+    assert "'two words'" in err, err
+    log_dir = re.search(r"logs (\S+)\): ", err).group(1)
+    assert not Path(log_dir).exists(), log_dir
 
 
 def test_under_torchrun_each_process_is_one_rank(tmp_path):
