@@ -72,8 +72,8 @@ class EngineConfig:
     the other's compute (across DP ranks, only on steps where every rank can split)."""
     moe_split_experts: int | None = None
     """Split every dense MLP into this many experts along the intermediate dimension, each
-    token routed to all of them with gate 1 (the dense model's function, as an MoE: DESIGN.md's
-    checkable model (a))."""
+    token routed to all of them with gate 1 (the dense model's function, as an MoE: the checkable model
+    (a) of docs/ARCHITECTURE.md, "Models")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

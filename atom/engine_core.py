@@ -1,6 +1,6 @@
 """EngineCore: one rank's tokenizer-free core — scheduler, block manager, model runner, sampler.
 
-The core speaks token ids only (DESIGN.md, "Processes and data flow"): it takes
+The core speaks token ids only (docs/ARCHITECTURE.md, "One rank"): it takes
 :class:`~atom.messages.EngineCoreRequest` s and returns :class:`~atom.messages.SeqOutput` s (new
 token ids and logprobs per sampled sequence, and finishes). Text, stop strings and per-request
 output assembly live in the front end (:mod:`atom.output_processor`).

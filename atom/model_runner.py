@@ -67,7 +67,7 @@ class ModelRunner:
         num_kv_blocks: blocks in the KV cache pool (block ids ``0 .. num_kv_blocks - 1``).
         block_size: tokens per block.
         max_model_len: longest sequence (prompt + output) in tokens; sizes the rotary tables.
-        moe_split_experts: split every dense MLP into this many experts (model (a) of DESIGN.md,
+        moe_split_experts: split every dense MLP into this many experts (model (a) of docs/ARCHITECTURE.md,
             :func:`atom.models.moe.split_mlps_into_experts`), or None.
     Raises:
         ValueError: unsupported architecture, bad weights, or non-positive sizes.

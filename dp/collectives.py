@@ -9,8 +9,8 @@ shape has a different hash. ``numel`` is what must agree across ranks: the local
 except for ``all_to_all_single``, whose per-rank sizes legitimately differ (uneven splits), where
 it is the element count of one row (``prod(shape[1:])``).
 
-No ``*_object`` collective exists here on purpose: they pickle (DESIGN.md bans pickle on any
-wire). Everything crossing ranks is a fixed-layout int64 tensor.
+No ``*_object`` collective exists here on purpose: they pickle (docs/ARCHITECTURE.md, "Rules": no
+pickle on any wire). Everything crossing ranks is a fixed-layout int64 tensor.
 
 What gloo does when one rank skips a collective (measured, torch 2.13 CPU, world size 2; the
 outcomes below are what ``tests/dp/test_dp_multiproc.py`` asserts):

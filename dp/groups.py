@@ -3,7 +3,7 @@
 The rank contract (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_USE_AGENT_STORE) and :class:`RankInfo` live in :mod:`atom.dp.rank_contract`.
 
-Three groups exist after :func:`init_process_groups` (see DESIGN.md, "Processes and data flow"):
+Three groups exist after :func:`init_process_groups` (docs/ARCHITECTURE.md, "Across ranks"):
 the default group (gloo; used by nothing hot), the **control group** (gloo, always: the per-tick
 control sync is a tiny CPU gather, and a CPU group keeps it off the GPU stream) and the **device
 group** (gloo on CPU; NCCL when CUDA is available, which is RCCL on ROCm: batch-shape exchange and

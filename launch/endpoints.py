@@ -1,4 +1,4 @@
-"""ZMQ endpoints exchanged through the rendezvous store (DESIGN.md: never hard-coded).
+"""ZMQ endpoints exchanged through the rendezvous store (never hard-coded: docs/ARCHITECTURE.md, "Rules").
 
 A process that binds a socket publishes the address it actually got (``tcp://host:port`` after
 binding port 0, or an ``ipc://`` path) under a key; the processes that connect look it up,

@@ -1,4 +1,4 @@
-"""The tiny random Mixtral (DESIGN.md's checkable model (b)) shared by the MoE tests."""
+"""The tiny random Mixtral (the checkable model (b) of docs/ARCHITECTURE.md) shared by the MoE tests."""
 
 from __future__ import annotations
 

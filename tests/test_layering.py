@@ -1,4 +1,4 @@
-"""Import layering (DESIGN.md): launch → dp → atom (engine) → kernels; entrypoints on top.
+"""Import layering (docs/ARCHITECTURE.md, "Rules"): launch → dp → atom (engine) → kernels; entrypoints on top.
 
 Checked statically from each module's import statements, so a violation fails here even if no
 test happens to import the offending module.

@@ -4,7 +4,7 @@ A :class:`MoE` layer replaces a dense MLP: a router (linear ``[E, hidden]``) sco
 the top-k experts are chosen, and each chosen expert (a SiLU-gated MLP) contributes its output
 times its gate. Gates: ``"softmax"`` — softmax over all experts in float32, top-k, renormalized
 over the k (Mixtral, Mistral AI 2024, arXiv:2401.04088; Qwen-MoE with ``norm_topk_prob``), or
-``"unit"`` — every chosen expert weighs 1 (model (a) of DESIGN.md: a dense MLP split along its
+``"unit"`` — every chosen expert weighs 1 (model (a) of docs/ARCHITECTURE.md: a dense MLP split along its
 intermediate dimension, every token to all experts, which sums back to the dense MLP).
 
 The forward is four stages, so an executor can interleave them across micro-batches
@@ -156,7 +156,7 @@ class MoE(nn.Module):
 
 def moe_from_dense_mlp(gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
                        num_experts: int) -> MoE:
-    """Model (a) of DESIGN.md: a SiLU-gated MLP split into ``num_experts`` experts along its
+    """Model (a) of docs/ARCHITECTURE.md: a SiLU-gated MLP split into ``num_experts`` experts along its
     intermediate dimension, every token routed to all of them with gate 1 — the same function
     as the dense MLP (up to the order of the final sum).
 

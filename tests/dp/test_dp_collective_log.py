@@ -98,7 +98,7 @@ def _calls_named(path: Path, suffix: str) -> list[str]:
 
 
 def test_no_object_collectives_anywhere():
-    """``*_object`` collectives pickle (DESIGN.md bans pickle across ranks): none may be called."""
+    """``*_object`` collectives pickle (docs/ARCHITECTURE.md bans pickle across ranks): none may be called."""
     files = [p for folder in ("atom", "dp", "launch", "kernels")
              for p in (REPO / folder).rglob("*.py")]
     assert any(p.name == "collectives.py" for p in files)  # the scan sees dp/
