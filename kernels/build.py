@@ -35,9 +35,12 @@ Exit status: 0 when the library is built (now or before), and also when it canno
 compiler or no ninja: a warning; the torch paths run); 1 when the compiler failed (``FAILED``
 written; later engine starts do not retry, this command always does) or the wait for another
 process's build gave up. With ``--exit-with-parent`` (how ``cpu_ops`` starts it, in a session of
-its own) its first act is a thread that kills its whole process group, ninja and the compilers
-included, when its parent dies. Console lines go to stderr: one when a build starts, one when it
-ends (with the time it took), one every :data:`PROGRESS_REPORT_S` while compiling.
+its own) its first act is a thread that stops the build when its parent dies
+(:func:`stop_build_group`: ninja runs each compiler in a process group of its own and passes a
+SIGTERM on to them, so the group gets SIGTERM first, then SIGKILL); a stopped build writes no
+``FAILED`` and leaves its folder for the next build to take over. Console lines go to stderr:
+one when a build starts, one when it ends (with the time it took), one every
+:data:`PROGRESS_REPORT_S` while compiling.
 
 Imports torch only inside functions (after the parent watcher is running).
 """
@@ -68,6 +71,8 @@ LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 300.0
 WAIT_REPORT_S = 5.0
 PROGRESS_REPORT_S = 15.0
+STOP_GRACE_S = 3.0  # how long a stopped build's ninja gets to stop its compilers
+_STOPPED = threading.Event()  # set by SIGTERM in an --exit-with-parent build
 _POLL_S = 0.2
 
 
@@ -257,6 +262,9 @@ def _compile(kb: KernelBuild) -> pathlib.Path:
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                            build_directory=str(tmp), is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as exc:  # compile or link error; a library that won't load
+        if _STOPPED.is_set():  # ninja failed because we stopped it: not the sources' fault
+            raise BuildError(f"the build of atom's CPU kernels was stopped (its folder {tmp} "
+                             f"is left for the next build to take over)", kb.log) from exc
         kb.folder.mkdir(exist_ok=True)
         kb.log.write_text(f"{exc}\n")
         kb.failed_marker.write_text(f"the build failed; compiler output: {kb.log}\n")
@@ -280,17 +288,51 @@ def _report_progress(done: threading.Event, start: float) -> None:
         _say(f"still compiling atom's CPU kernels ({time.monotonic() - start:.0f} s)")
 
 
+def stop_build_group(pgid: int) -> None:
+    """Stop a build running as process group ``pgid``, its compilers included.
+
+    ninja starts every compiler in a process group of its own, so SIGKILL to the build's group
+    would leave them running; on SIGTERM ninja passes the signal on to each of them. So: SIGTERM
+    to the group (the build process itself shrugs it off, see :func:`_exit_with_parent`), a
+    grace of :data:`STOP_GRACE_S` for ninja to do that and exit, then SIGKILL to whatever of the
+    group is left.
+    """
+    for sig, grace_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_has_other_members(pgid):
+            time.sleep(_POLL_S)
+
+
+def _group_has_other_members(pgid: int) -> bool:
+    """Whether a process other than the caller is in group ``pgid`` (ninja still running)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    return True
+            except (ProcessLookupError, PermissionError):
+                continue
+    return False
+
+
 def _exit_with_parent() -> None:
-    """Kill this process group (ninja and the compilers with it) once the parent is gone."""
+    """Stop this build (ninja and the compilers with it) once the parent is gone."""
     if os.getpgrp() != os.getpid():
         raise SystemExit("--exit-with-parent: start this in a session of its own "
                          "(start_new_session=True), or its group would be others' too")
+    # A Python-level handler, not SIG_IGN: it survives the SIGTERM that stop_build_group sends
+    # the group, and, unlike SIG_IGN, is not inherited across exec by ninja and the compilers.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _STOPPED.set())
     parent_pid = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(_POLL_S)
-        os.killpg(0, signal.SIGKILL)
+        stop_build_group(os.getpgrp())
 
     threading.Thread(target=watch, daemon=True, name="atom-kernels-parent-watch").start()
 
@@ -300,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atom.kernels.build",
                                      description="Build atom's CPU kernels (kernels/csrc).")
     parser.add_argument("--exit-with-parent", action="store_true",
-                        help="kill this build (its whole process group) when the parent dies")
+                        help="stop this build, compilers included, when the parent dies")
     args = parser.parse_args(argv)
     if args.exit_with_parent:
         _exit_with_parent()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import signal
 import subprocess
 import sys
 
@@ -121,7 +120,7 @@ def _build_in_subprocess(kb: build.KernelBuild) -> str | None:
                 f"{build.BUILD_TIMEOUT_S:.0f} s")
     finally:
         if proc.poll() is None:  # timed out, or we are being stopped: take its compilers along
-            os.killpg(proc.pid, signal.SIGKILL)
+            build.stop_build_group(proc.pid)
             proc.wait()
     if kb.library.exists():
         return None
