@@ -13,7 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _DTYPES = ("auto", "bfloat16", "float32")
-DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin")
+DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
+# where the ranks publish KV events when cache_aware routing needs them and no endpoint is set:
+# loopback, OS-chosen ports (each rank reports its bound endpoints in its ready message)
+PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,21 @@ class EngineConfig:
     data_parallel_size: int = 1
     """Number of data-parallel ranks (one EngineCore process each, stepping in lockstep)."""
     dp_load_balance: str = "least_requests"
-    """DP router policy: least_requests (fewest unfinished requests, ties rotate) or round_robin."""
+    """DP router policy: least_requests (fewest unfinished requests, ties rotate), round_robin,
+    or cache_aware (the rank holding the longest cached prefix of the prompt, from the KV
+    events; else the rank of the request's session; else the least loaded; always behind the
+    load guard). cache_aware turns KV events on, on private loopback ports, when
+    kv_events_endpoint is not set."""
+    dp_load_guard_abs_threshold: int = 2
+    """cache_aware load guard: a preferred rank is given up for the least-loaded one when its
+    unfinished requests exceed the least-loaded rank's by more than this many requests ..."""
+    dp_load_guard_rel_threshold: float = 1.5
+    """... and are more than this many times the least-loaded rank's (both must hold, as in
+    SGLang's router: absolute at low load, relative at high load)."""
+    dp_cache_aware_min_match_ratio: float = 0.5
+    """cache_aware: a rank's cached prefix counts as a hit only when it covers at least this
+    fraction of the prompt's full blocks (a shared system prompt alone does not pull every
+    request to the rank that saw it first; SGLang's cache_threshold)."""
     prefill_delayer: bool | None = None
     """Hold prefills until the ranks can prefill together (cross-rank prefill alignment);
     None = on when data_parallel_size > 1."""
@@ -60,6 +77,21 @@ class EngineConfig:
     """Most consecutive ticks a prefill hold may last before prefills are allowed."""
     prefill_delayer_kv_low_watermark: float | None = None
     """KV usage fraction in (0, 1): a ready rank below it releases a hold; None = off."""
+    kv_events_endpoint: str | None = None
+    """Publish KV cache events (vLLM 0.32's wire) on this ZMQ PUB endpoint, the TCP port offset
+    by DP rank (tcp://127.0.0.1:5557; tcp://*:5557 to leave the host; port 0 = OS-chosen);
+    None = off (unless cache_aware routing needs them)."""
+    kv_events_replay_endpoint: str | None = None
+    """ROUTER endpoint that replays buffered batches from a seq (port offset by DP rank);
+    None = no replay (a subscriber cannot heal gaps)."""
+    kv_events_topic: str = ""
+    """First frame of every KV events message (subscribers filter on its prefix)."""
+    kv_events_buffer_size: int = 10_000
+    """Batches (one per step) kept for replay (vLLM's buffer_steps)."""
+    kv_events_max_queue_size: int = 10_000
+    """Batches waiting for the publisher thread before the oldest is dropped (and counted)."""
+    kv_events_hwm: int = 100_000
+    """PUB send (and the DP router's SUB receive) high-water mark, in messages (vLLM's)."""
     dp_group_timeout_s: float = 600.0
     """Seconds a DP collective (and the rendezvous) may wait for its peers before it fails:
     a rank that never shows up, or stops in the middle of a tick, fails the others after this
@@ -98,6 +130,8 @@ class EngineConfig:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"prefill_delayer_max_delay_passes={passes!r} must be an integer "
                              f">= 1 (or turn the delayer off with --no-prefill-delayer)")
+        self._check_routing()
+        self.resolved_kv_events()  # builds (so validates) the publisher settings
         if not self.dp_group_timeout_s > 0:
             raise ValueError(f"dp_group_timeout_s={self.dp_group_timeout_s} must be > 0 (seconds)")
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
@@ -106,6 +140,46 @@ class EngineConfig:
         if wm is not None and not 0.0 < wm < 1.0:
             raise ValueError(f"prefill_delayer_kv_low_watermark={wm} must be a fraction in (0, 1) "
                              f"(or None: off)")
+
+    def _check_routing(self) -> None:
+        if self.dp_load_guard_abs_threshold < 0:
+            raise ValueError(f"dp_load_guard_abs_threshold={self.dp_load_guard_abs_threshold} "
+                             f"must be >= 0 (requests)")
+        if not self.dp_load_guard_rel_threshold >= 1.0:
+            raise ValueError(f"dp_load_guard_rel_threshold={self.dp_load_guard_rel_threshold} "
+                             f"must be >= 1.0")
+        if not 0.0 <= self.dp_cache_aware_min_match_ratio <= 1.0:
+            raise ValueError(f"dp_cache_aware_min_match_ratio={self.dp_cache_aware_min_match_ratio}"
+                             f" must be a fraction in [0, 1]")
+        if self.dp_load_balance == "cache_aware" and not self.enable_prefix_caching:
+            raise ValueError("dp_load_balance=cache_aware routes on the prefix cache: drop "
+                             "--no-enable-prefix-caching or pick another policy")
+
+    def resolved_kv_events(self):
+        """The KV events publisher settings (:class:`atom.kv_events.KVEventsConfig`), or None
+        when the engine cores publish nothing.
+
+        The one place this is decided: ``kv_events_endpoint`` when set; else, for cache_aware
+        routing over DP ranks, :data:`PRIVATE_KV_EVENTS_ENDPOINT` for both PUB and replay
+        (the router needs the events; loopback and OS-chosen ports expose nothing and never
+        collide); else None.
+
+        Raises:
+            ValueError: a malformed endpoint or a size below 1.
+        """
+        from atom.kv_events import KVEventsConfig
+
+        endpoint, replay = self.kv_events_endpoint, self.kv_events_replay_endpoint
+        if endpoint is None:
+            if replay is not None:
+                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+            if self.dp_load_balance != "cache_aware" or self.data_parallel_size == 1:
+                return None
+            endpoint = replay = PRIVATE_KV_EVENTS_ENDPOINT
+        return KVEventsConfig(endpoint=endpoint, replay_endpoint=replay,
+                              topic=self.kv_events_topic, buffer_size=self.kv_events_buffer_size,
+                              max_queue_size=self.kv_events_max_queue_size,
+                              hwm=self.kv_events_hwm)
 
     def resolved_prefill_delayer(self) -> bool:
         """Whether the PrefillDelayer holds prefills (None = on when data_parallel_size > 1)."""

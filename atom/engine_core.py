@@ -23,6 +23,11 @@ What a step reports, per sequence:
   prompt position has been computed (sampling happens only after the last prompt chunk). A
   request that ends before its first token never sends them.
 
+KV events: with :meth:`atom.config.EngineConfig.resolved_kv_events` set, the core owns a
+:class:`~atom.kv_events.KVEventPublisher` (its DP rank's endpoint and seq) and hands it the
+block manager's events once per step, at the end of :meth:`EngineCore.execute` (and right after
+a prefix-cache reset); the publisher's thread encodes and sends, so a step never waits on it.
+
 Sequences finished from outside (:meth:`EngineCore.abort_requests`,
 :meth:`EngineCore.finish_requests`) report nothing: the front end ended them and already knows.
 """
@@ -43,7 +48,8 @@ from atom.tbo import can_split
 logger = logging.getLogger(__name__)
 
 _MAX_DEFAULT_MODEL_LEN = 8192
-UTILITY_METHODS = ("get_stats", "reset_prefix_cache")  # what a UtilityCall may name
+# what a UtilityCall may name
+UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "get_cached_block_hashes")
 
 
 class _RequestState:
@@ -67,12 +73,15 @@ class EngineCore:
         config: engine options.
         extra_eos_token_ids: EOS ids the front end knows besides the model config's (e.g. the
             tokenizer's ``eos_token_id``); the core has no tokenizer of its own.
+        dp_rank: this core's DP rank (its KV events endpoint offset and batch stamp).
 
     Raises:
         ValueError: invalid options or a model that cannot be loaded.
+        RuntimeError: the KV events endpoint cannot be bound (in use, bad address).
     """
 
-    def __init__(self, config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...] = (),
+                 dp_rank: int = 0):
         from atom.model_loader import load_model_weights
         from atom.model_runner import ModelRunner
 
@@ -106,6 +115,7 @@ class EngineCore:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.block_manager, eos_token_ids=eos)
         self.sampler = Sampler(eos, seed=config.seed)
+        self.kv_event_publisher = _start_publisher(config, dp_rank)
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[SeqOutput] = []  # finishes decided outside a step (rejections)
         self.num_aborted_seqs = 0
@@ -235,9 +245,15 @@ class EngineCore:
                 self._forget_if_done(seq.request_id)
         if not sched.is_empty:
             outputs += self._execute(sched, two_batch_overlap)
-        # KV events are not published yet (no subscriber): drop them so they do not pile up.
-        self.block_manager.take_events()
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """This step's block-manager events as one batch (taken even when nobody publishes,
+        so they never pile up)."""
+        events = self.block_manager.take_events()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
 
     def execute_dummy_batch(self, *, two_batch_overlap: bool = False) -> None:
         """A forward over zero tokens that writes no KV: a DP rank with nothing to run takes
@@ -301,11 +317,13 @@ class EngineCore:
 
     # ----- stats and utilities -----
 
-    def get_stats(self) -> dict[str, int]:
-        """Counters of the KV pool, queues, prefix cache (in tokens) and outside finishes
-        (``num_aborted_seqs``: client aborts; ``num_front_end_finished_seqs``: stop strings)."""
+    def get_stats(self) -> dict[str, int | float]:
+        """Counters of the KV pool, queues, prefix cache (in tokens; ``prefix_cache_hit_rate``
+        = hits / queries, 0 before any query), outside finishes (``num_aborted_seqs``: client
+        aborts; ``num_front_end_finished_seqs``: stop strings) and, when publishing, KV event
+        batches (``kv_events_published_batches``, ``kv_events_dropped_batches``)."""
         bm = self.block_manager
-        return {
+        stats: dict[str, int | float] = {
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
             "num_running": self.scheduler.num_running,
@@ -313,15 +331,37 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": prefix_cache_hit_rate(bm.prefix_cache_hits,
+                                                           bm.prefix_cache_queries),
             "num_aborted_seqs": self.num_aborted_seqs,
             "num_front_end_finished_seqs": self.num_front_end_finished_seqs,
         }
+        if self.kv_event_publisher is not None:
+            pub = self.kv_event_publisher.stats()
+            stats["kv_events_published_batches"] = pub["num_published_batches"]
+            stats["kv_events_dropped_batches"] = pub["num_dropped_batches"]
+        return stats
 
     def reset_prefix_cache(self) -> dict[str, bool]:
-        """Drop the prefix cache; ``{"reset": False}`` (nothing done) while blocks are in use."""
-        return {"reset": self.block_manager.reset_prefix_cache()}
+        """Drop the prefix cache; ``{"reset": False}`` (nothing done) while blocks are in use.
+        Its ``AllBlocksCleared`` is published at once (the core may be idle for long)."""
+        reset = self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return {"reset": reset}
 
-    def call_utility(self, method: str) -> dict[str, int | float | bool]:
+    def get_cached_block_hashes(self) -> dict[str, list[int]]:
+        """``{"block_hashes": [...]}``: the prefix cache's block hashes in wire form, sorted —
+        what an index rebuilt from this core's KV events holds once it has caught up."""
+        from atom.kv_events import to_wire_hash
+
+        return {"block_hashes": sorted(to_wire_hash(h) for h in self.block_manager.hash_to_block)}
+
+    def close(self) -> None:
+        """Stop the KV events publisher (sending what it has queued). Idempotent."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+
+    def call_utility(self, method: str) -> dict:
         """Run a utility method by name (one of ``UTILITY_METHODS``).
 
         Raises:
@@ -330,6 +370,32 @@ class EngineCore:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}; known: {list(UTILITY_METHODS)}")
         return getattr(self, method)()
+
+
+def prefix_cache_hit_rate(hits: int, queries: int) -> float:
+    """Prompt tokens served from the prefix cache / prompt tokens looked up (0 with none)."""
+    return hits / queries if queries else 0.0
+
+
+def _start_publisher(config: EngineConfig, dp_rank: int):
+    """This core's KV events publisher, or None when events are off.
+
+    Raises:
+        RuntimeError: an endpoint cannot be bound (the message names it).
+    """
+    import zmq
+
+    from atom.kv_events import KVEventPublisher
+
+    settings = config.resolved_kv_events()
+    if settings is None:
+        return None
+    try:
+        return KVEventPublisher(settings, dp_rank=dp_rank)
+    except zmq.ZMQError as exc:
+        raise RuntimeError(f"dp rank {dp_rank}: cannot bind the KV events endpoints "
+                           f"{settings.endpoint} / {settings.replay_endpoint} (offset by the "
+                           f"rank): {exc}") from exc
 
 
 def _finish_output(seq: Sequence, reason: FinishReason | None, *, error: str | None) -> SeqOutput:

@@ -55,6 +55,7 @@ import msgspec
 import zmq
 
 from atom.config import EngineConfig, oversubscription_warning, resolve_num_threads
+from atom.kv_subscriber import PublisherEndpoints
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -88,6 +89,25 @@ _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "coll
                          "num_tbo_steps"))
 
 
+def merge_rank_results(results: list[dict]) -> dict:
+    """One dict from every rank's utility result: numbers summed over ranks (counters such
+    as the tick or the collective hash, and flags: the max; ``prefix_cache_hit_rate``
+    recomputed from the summed tokens). One rank: its result as it is."""
+    merged: dict = {}
+    for result in results:
+        for key, value in result.items():
+            if key not in merged:
+                merged[key] = value
+            elif isinstance(value, bool) or key in _NOT_SUMMED:
+                merged[key] = max(merged[key], value)
+            else:
+                merged[key] += value
+    if len(results) > 1 and "prefix_cache_hit_rate" in merged:
+        queries = merged["prefix_cache_queries"]
+        merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / queries if queries else 0.0
+    return merged
+
+
 class EngineDeadError(RuntimeError):
     """An engine-core process exited while the front end still needed it."""
 
@@ -100,8 +120,11 @@ class EngineCoreClient:
 
     runtime: EngineRuntime
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
-        """Send a request. ``data_parallel_rank`` pins the DP rank (ignored with one rank).
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
+                    session_id: str | None = None) -> None:
+        """Send a request. ``data_parallel_rank`` pins the DP rank, ``session_id`` names the
+        conversation it belongs to (DP routing; both ignored with one rank; the session id
+        never reaches the core).
 
         Raises:
             ValueError: (DP) a bad rank hint, or a request id already running.
@@ -148,27 +171,23 @@ class EngineCoreClient:
         raise NotImplementedError
 
     def call_utility(self, method: str) -> dict:
-        """``method`` on every core, numeric results summed over ranks (counters such as the
-        tick or the collective hash, and flags: the max). One rank: its result as it is."""
-        merged: dict = {}
-        for result in self.call_utility_per_rank(method):
-            for key, value in result.items():
-                if key not in merged:
-                    merged[key] = value
-                elif isinstance(value, bool) or key in _NOT_SUMMED:
-                    merged[key] = max(merged[key], value)
-                else:
-                    merged[key] += value
-        return merged
+        """``method`` on every core, merged over ranks (:func:`merge_rank_results`)."""
+        return merge_rank_results(self.call_utility_per_rank(method))
 
     def get_stats(self) -> dict:
-        """The KV pool, queue and prefix-cache counters, summed over ranks."""
-        return self.call_utility("get_stats")
+        """The KV pool, queue and prefix-cache counters summed over ranks, plus the front
+        end's own (:meth:`front_end_stats`)."""
+        return {**merge_rank_results(self.get_rank_stats()), **self.front_end_stats()}
 
     def get_rank_stats(self) -> list[dict]:
         """Each rank's ``get_stats`` (DP ranks add tick, wave, collective count and hash,
-        PrefillDelayer counters)."""
+        PrefillDelayer counters; the DP client adds its router's counters for the rank)."""
         return self.call_utility_per_rank("get_stats")
+
+    def front_end_stats(self) -> dict:
+        """Counters of this process that belong to no rank (the DP client's KV event
+        subscriber); no round trip to the cores."""
+        return {}
 
 
 class InprocClient(EngineCoreClient):
@@ -179,7 +198,8 @@ class InprocClient(EngineCoreClient):
         self.core = core
         self.runtime = core.runtime
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
+                    session_id: str | None = None) -> None:
         encode(request)  # the same check as the socket path: a value msgpack cannot hold raises
         self.core.add_request(request)
 
@@ -199,7 +219,7 @@ class InprocClient(EngineCoreClient):
         return True
 
     def shutdown(self) -> None:
-        pass
+        self.core.close()
 
 
 class RankProcesses(Protocol):
@@ -254,6 +274,8 @@ class MPClient(EngineCoreClient):
         self.input_addrs = [_bind(s, self.ranks.address(f"input{i}"))
                             for i, s in enumerate(self._inputs)]
         self._outputs: collections.deque[list[SeqOutput]] = collections.deque()
+        # where each rank publishes KV events (from the ready messages; [] when off)
+        self.kv_event_publishers: list[PublisherEndpoints] = []
         self._utility_results: dict[tuple[int, int], UtilityResult] = {}
         self._call_ids = itertools.count()
         try:
@@ -266,7 +288,8 @@ class MPClient(EngineCoreClient):
 
     # ----- requests (one rank: everything goes to core 0; the DP client routes) -----
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
+                    session_id: str | None = None) -> None:
         self._send(0, request)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -330,12 +353,17 @@ class MPClient(EngineCoreClient):
                 message = decode_output(self._output.recv())
                 if isinstance(message, ReadyMessage):
                     ready[message.dp_rank] = message.runtime
+                    if message.kv_events_endpoint is not None:
+                        self.kv_event_publishers.append(PublisherEndpoints(
+                            message.dp_rank, message.kv_events_endpoint,
+                            message.kv_events_replay_endpoint))
                 else:
                     logger.warning("ignored %s before the ready messages", type(message).__name__)
                 continue
             dead = self.ranks.dead_message()
             if dead is not None:
                 raise RuntimeError(f"the engine core failed to start: {dead}")
+        self.kv_event_publishers.sort(key=lambda p: p.dp_rank)
         return ready[0]
 
     def _send(self, rank: int, message: CoreInput) -> None:

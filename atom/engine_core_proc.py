@@ -109,7 +109,11 @@ class EngineCoreProc:
         self._shutdown = False
 
     def send_ready(self) -> None:
-        self._output.send(encode(ReadyMessage(dp_rank=self.dp_rank, runtime=self.core.runtime)))
+        pub = self.core.kv_event_publisher
+        self._output.send(encode(ReadyMessage(
+            dp_rank=self.dp_rank, runtime=self.core.runtime,
+            kv_events_endpoint=None if pub is None else pub.endpoint,
+            kv_events_replay_endpoint=None if pub is None else pub.replay_endpoint)))
 
     def run_busy_loop(self) -> None:
         """Run until Shutdown, SIGTERM or the parent's death. Exceptions propagate.
@@ -239,6 +243,7 @@ def _run_one_rank(args: argparse.Namespace) -> None:
         proc.send_ready()
         proc.run_busy_loop()
     finally:
+        core.close()
         proc.close()
 
 

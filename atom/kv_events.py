@@ -247,28 +247,35 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
 class KVEventsConfig:
     """Where and how one engine publishes KV events (vLLM's ``--kv-events-*`` settings).
 
+    No defaults here: an engine's settings are :class:`atom.config.EngineConfig`'s
+    ``kv_events_*`` fields (documented and defaulted there, the CLI generated from them), and
+    :meth:`atom.config.EngineConfig.resolved_kv_events` builds this from them.
+
     Attributes:
-        endpoint: PUB endpoint before the per-rank offset. Default loopback: events leave the
-            host only when the endpoint says so (``tcp://*:5557``, ``tcp://0.0.0.0:5557``).
+        endpoint: PUB endpoint before the per-rank offset (the host picks the interface:
+            ``tcp://127.0.0.1:5557`` stays on this host, ``tcp://*:5557`` leaves it).
         replay_endpoint: ROUTER replay endpoint before the offset; None: no replay.
         topic: first frame of every PUB message (subscribers filter on its prefix).
-        buffer_size: batches kept for replay (vLLM's ``buffer_steps`` default, 10,000 steps).
+        buffer_size: batches kept for replay.
         max_queue_size: batches waiting for the publisher thread before the oldest is dropped;
             a live thread keeps this near 0, the bound only matters when it stalls.
-        hwm: PUB send high-water mark in messages per subscriber (vLLM's default).
+        hwm: PUB send high-water mark in messages per subscriber.
+
+    Raises:
+        ValueError: a malformed endpoint, or a size below 1.
     """
 
-    endpoint: str = "tcp://127.0.0.1:5557"
-    replay_endpoint: str | None = None
-    topic: str | bytes = ""
-    buffer_size: int = 10_000
-    max_queue_size: int = 10_000
-    hwm: int = 100_000
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str | bytes
+    buffer_size: int
+    max_queue_size: int
+    hwm: int
 
     def __post_init__(self) -> None:
         for name in ("buffer_size", "max_queue_size", "hwm"):
             if getattr(self, name) < 1:
-                raise ValueError(f"KVEventsConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"kv_events_{name}={getattr(self, name)} must be >= 1")
         for endpoint in (self.endpoint, self.replay_endpoint):
             if endpoint is not None:
                 offset_endpoint(endpoint, 0)  # raises ValueError on a malformed endpoint

@@ -61,6 +61,15 @@ def wire_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+def connectable_endpoint(endpoint: str) -> str:
+    """A bound endpoint as a peer on the same host connects to it: a wildcard host
+    (``tcp://0.0.0.0:P``, ``tcp://[::]:P``, what ``tcp://*:P`` binds) becomes loopback."""
+    for wildcard, loopback in (("tcp://0.0.0.0:", "tcp://127.0.0.1:"), ("tcp://[::]:", "tcp://[::1]:")):
+        if endpoint.startswith(wildcard):
+            return loopback + endpoint[len(wildcard):]
+    return endpoint
+
+
 class KVCacheIndex:
     """Per DP rank, the set of block hashes its prefix cache holds (all media merged).
 

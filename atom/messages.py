@@ -136,16 +136,20 @@ class WaveWakeup(msgspec.Struct, tag="wave_wakeup", frozen=True):
 
 
 class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
-    """A core loaded its weights and sized its KV pool."""
+    """A core loaded its weights and sized its KV pool. When it publishes KV events, the
+    endpoints it bound (ports resolved, per-rank offset applied), for the front end's
+    subscriber: ``kv_events_endpoint`` (PUB) and ``kv_events_replay_endpoint`` (ROUTER)."""
 
     dp_rank: int
     runtime: EngineRuntime
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     dp_rank: int
     call_id: int
-    result: dict[str, int | float | bool] | None = None
+    result: dict[str, int | float | bool | list[int]] | None = None
     error: str | None = None
 
 

@@ -271,7 +271,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
     if config.data_parallel_size != info.dp_size:
         raise ValueError(f"data_parallel_size={config.data_parallel_size} but WORLD_SIZE gives "
                          f"{info.dp_size} DP ranks")
-    core = EngineCore(config, extra_eos_token_ids=extra_eos_token_ids)
+    core = EngineCore(config, extra_eos_token_ids=extra_eos_token_ids, dp_rank=info.dp_rank)
     proc = None
     groups = init_process_groups(info, timeout_s=config.dp_group_timeout_s)
     try:
@@ -289,6 +289,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         proc.send_ready()
         proc.run_busy_loop()
     finally:
+        core.close()
         if proc is not None:
             proc.close()
         groups.destroy()

@@ -1,8 +1,9 @@
 """The EngineCore process and its ZMQ client, on real processes and real sockets.
 
 Ready handshake, outputs, abort and front-end finish (both free the KV pool; only aborts count
-as aborts), two deployments side by side, a core killed with SIGKILL or failing at start-up,
-a malformed frame, an idle core that does not spin; and no pickle anywhere in atom/ or dp/.
+as aborts), KV events published by the core and rebuilt by a subscriber, two deployments side
+by side, a core killed with SIGKILL or failing at start-up, a malformed frame, an idle core
+(its KV events thread included) that does not spin; and no pickle anywhere in atom/ or dp/.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from atom import LLM, SamplingParams
 from atom.config import EngineConfig
 from atom.engine import LLMEngine
 from atom.engine_core_client import EngineDeadError, MPClient
+from atom.kv_subscriber import KVEventSubscriber
 from atom.messages import EngineCoreRequest, SeqOutput
 
 pytestmark = pytest.mark.xdist_group("embedded-model")
 
-CONFIG = EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256)
+# KV events on, on OS-chosen loopback ports
+CONFIG = EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256,
+                      kv_events_endpoint="tcp://127.0.0.1:0",
+                      kv_events_replay_endpoint="tcp://127.0.0.1:0")
 PROMPT = list(range(100, 120))
 DEADLINE_S = 120.0  # generous liveness deadline for a request on a shared 2-core machine
 DEAD_DEADLINE_S = 10.0  # a dead core must surface within this
@@ -81,6 +86,32 @@ def test_outputs_stream_token_by_token_and_match_the_in_process_core(client):
         local += engine.step()
     assert [t for o in outputs for t in o.new_token_ids] == local[-1].outputs[0].token_ids
     _assert_pool_free(client.get_stats())
+
+
+def test_the_core_publishes_kv_events_and_a_subscriber_rebuilds_its_prefix_cache(client):
+    (publisher,) = client.kv_event_publishers  # from the ready message: ports resolved
+    assert publisher.dp_rank == 0 and publisher.endpoint.startswith("tcp://127.0.0.1:")
+    assert publisher.replay_endpoint is not None and not publisher.replay_endpoint.endswith(":0")
+
+    def index_converges(sub: KVEventSubscriber, expected: set[int]) -> None:
+        assert sub.sync(timeout_s=DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while set(sub.index.block_hashes(0)) != expected:
+            assert time.monotonic() < deadline, "the index never matched the block manager"
+            sub.poll(0.05)
+
+    with KVEventSubscriber([publisher]) as sub:
+        client.add_request(_request("kv-events"))
+        _collect(client, "kv-events")
+        (cached,) = client.call_utility_per_rank("get_cached_block_hashes")
+        assert len(cached["block_hashes"]) == 1  # 20 prompt + 7 computed output tokens: 1 block
+        index_converges(sub, set(cached["block_hashes"]))
+        assert client.call_utility("reset_prefix_cache")["reset"]
+        index_converges(sub, set())  # AllBlocksCleared went out at once, the core idle
+    stats = client.get_stats()
+    assert stats["kv_events_published_batches"] >= 2 and stats["kv_events_dropped_batches"] == 0
+    assert stats["prefix_cache_hit_rate"] == (
+        stats["prefix_cache_hits"] / stats["prefix_cache_queries"])
 
 
 def test_bad_request_fails_alone_and_unknown_utility_is_an_error(client):

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from atom.config import EngineConfig
 from atom.kv_events import (END_SEQ_BYTES, MEDIUM_GPU, AllBlocksCleared, BlockRemoved,
                             BlockStored, KVEventBatch, KVEventDecodeError, KVEventPublisher,
                             KVEventsConfig, decode_batch, from_wire_hash, offset_endpoint,
@@ -21,6 +22,14 @@ from atom.kv_events import (END_SEQ_BYTES, MEDIUM_GPU, AllBlocksCleared, BlockRe
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "kv_events"
 LOOPBACK = "tcp://127.0.0.1:0"
 DEADLINE_S = 10.0
+
+
+def events_config(endpoint: str = LOOPBACK, replay_endpoint: str | None = None,
+                  **settings) -> KVEventsConfig:
+    """Publisher settings as an engine builds them, from EngineConfig's ``kv_events_*`` fields
+    (``topic=...``, ``buffer_size=...``: the field names without the prefix)."""
+    return EngineConfig(kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay_endpoint,
+                        **{f"kv_events_{k}": v for k, v in settings.items()}).resolved_kv_events()
 
 
 def wait_until(condition, *, poll=None, timeout_s: float = DEADLINE_S) -> None:
@@ -156,10 +165,24 @@ def test_offset_endpoint():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="buffer_size"):
-        KVEventsConfig(buffer_size=0)
+    with pytest.raises(ValueError, match="kv_events_buffer_size"):
+        events_config(buffer_size=0)
     with pytest.raises(ValueError, match="needs a port"):
-        KVEventsConfig(replay_endpoint="tcp://127.0.0.1")
+        events_config(replay_endpoint="tcp://127.0.0.1")
+    with pytest.raises(ValueError, match="needs kv_events_endpoint"):
+        EngineConfig(kv_events_replay_endpoint=LOOPBACK)
+
+
+def test_engine_config_is_the_one_home_of_the_settings():
+    assert EngineConfig().resolved_kv_events() is None  # off by default
+    config = EngineConfig(kv_events_endpoint="tcp://127.0.0.1:5557").resolved_kv_events()
+    assert (config.endpoint, config.replay_endpoint, config.topic, config.buffer_size,
+            config.max_queue_size, config.hwm) == ("tcp://127.0.0.1:5557", None, "", 10_000,
+                                                    10_000, 100_000)
+    # cache_aware routing over DP ranks needs the events: private loopback, OS-chosen ports
+    private = EngineConfig(data_parallel_size=2, dp_load_balance="cache_aware").resolved_kv_events()
+    assert private.endpoint == private.replay_endpoint == "tcp://127.0.0.1:0"
+    assert EngineConfig(dp_load_balance="cache_aware").resolved_kv_events() is None  # one rank
 
 
 def test_tcp_port_is_offset_by_dp_rank():
@@ -167,13 +190,13 @@ def test_tcp_port_is_offset_by_dp_rank():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     # rank 2 of base port - 2 binds it
-    with KVEventPublisher(KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port - 2}"), dp_rank=2) as pub:
+    with KVEventPublisher(events_config(f"tcp://127.0.0.1:{port - 2}"), dp_rank=2) as pub:
         assert pub.endpoint == f"tcp://127.0.0.1:{port}"
         assert pub.replay_endpoint is None
 
 
 def test_ipc_endpoints_get_a_rank_suffix(tmp_path):
-    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay")
+    config = events_config(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
     with KVEventPublisher(config, dp_rank=1) as pub:
         assert pub.endpoint == f"ipc://{tmp_path}/pub_dp1"
         assert pub.replay_endpoint == f"ipc://{tmp_path}/replay_dp1"
@@ -188,13 +211,11 @@ def test_ipc_endpoints_get_a_rank_suffix(tmp_path):
 
 def _publisher(*, dp_rank: int = 0, **config) -> KVEventPublisher:
     """A publisher on OS-chosen loopback ports, with replay."""
-    config.setdefault("endpoint", LOOPBACK)
-    config.setdefault("replay_endpoint", LOOPBACK)
-    return KVEventPublisher(KVEventsConfig(**config), dp_rank=dp_rank)
+    return KVEventPublisher(events_config(LOOPBACK, LOOPBACK, **config), dp_rank=dp_rank)
 
 
 def test_pub_frames_are_topic_seq_payload_with_gap_free_seqs_and_the_rank():
-    with KVEventPublisher(KVEventsConfig(endpoint=LOOPBACK, topic="kv"), dp_rank=1) as pub:
+    with KVEventPublisher(events_config(topic="kv"), dp_rank=1) as pub:
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(pub.endpoint)
@@ -343,7 +364,7 @@ class StalledPublisher(KVEventPublisher):
 
 
 def test_full_queue_drops_the_oldest_batches_and_counts_them():
-    config = KVEventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK, max_queue_size=4)
+    config = events_config(LOOPBACK, LOOPBACK, max_queue_size=4)
     pub = StalledPublisher(config, dp_rank=0)
     try:
         pub.publish([removed_event([0])], ts=0.0)

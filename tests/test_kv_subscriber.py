@@ -15,13 +15,13 @@ import pytest
 import zmq
 
 from atom.block_manager import BlockManager
-from atom.kv_events import (AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventPublisher, KVEventsConfig,
+from atom.kv_events import (AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventPublisher,
                             removed_event, stored_event, to_wire_hash)
 from atom.kv_subscriber import (KVCacheIndex, KVEventSubscriber, PublisherEndpoints,
                                 wire_block_hashes)
 from atom.sampling_params import SamplingParams
 from atom.sequence import Sequence
-from tests.test_kv_events import LOOPBACK, wait_sent, wait_until
+from tests.test_kv_events import LOOPBACK, events_config, wait_sent, wait_until
 
 PROBE_HASH = 2**64 - 7  # removed by the connection probes; never stored
 
@@ -44,7 +44,7 @@ class RecordingSubscriber(KVEventSubscriber):
 
 
 def make_publishers(num_ranks: int, *, replay: bool = True, **config) -> list[KVEventPublisher]:
-    config = KVEventsConfig(endpoint=LOOPBACK, replay_endpoint=LOOPBACK if replay else None, **config)
+    config = events_config(LOOPBACK, LOOPBACK if replay else None, **config)
     return [KVEventPublisher(config, dp_rank=rank) for rank in range(num_ranks)]
 
 
