@@ -109,11 +109,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time_s: float | None = None,
-                    data_parallel_rank: int | None = None) -> None:
+                    data_parallel_rank: int | None = None, session_id: str | None = None) -> None:
         """Queue a request; one that can never run is finished with ``error`` (its output comes
         from the next ``step()``).
 
-        ``data_parallel_rank`` pins the DP rank (ignored with one rank). The token ids are
+        ``data_parallel_rank`` pins the DP rank; ``session_id`` names the conversation the
+        request belongs to (the DP router keeps a session on its rank; it never reaches the
+        core); both are ignored with one rank. The token ids are
         checked by the core (a request it cannot run finishes with ``error``); one that msgpack
         cannot even carry (an id past 64 bits) fails here.
 
@@ -128,7 +130,8 @@ class LLMEngine:
             return
         request = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival)
         try:
-            self.client.add_request(request, data_parallel_rank=data_parallel_rank)
+            self.client.add_request(request, data_parallel_rank=data_parallel_rank,
+                                    session_id=session_id)
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # not msgpack-able
             self._pending.append(self.output_processor.fail_request(
                 request_id, f"the request cannot be encoded: {exc}"))
@@ -177,6 +180,11 @@ class LLMEngine:
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (one rank: ``[get_stats()]``)."""
         return self.client.get_rank_stats()
+
+    def front_end_stats(self) -> dict:
+        """Counters of the front end that belong to no rank (the DP client's KV event
+        subscriber: ``kv_subscriber_*``); ``{}`` otherwise."""
+        return self.client.front_end_stats()
 
     def client_is_alive(self) -> bool:
         """False once the engine-core process has exited (always True in-process)."""

@@ -6,8 +6,15 @@ subclasses; its ranks run ``python -m atom.dp.engine_core_proc`` (spawned), or a
 them (:class:`LaunchedRanks`).
 
 Routing: requests go to the rank :class:`atom.dp.router.DPRouter` picks (``data_parallel_rank``
-pins one); aborts and stop-string finishes go to the rank that owns the request. A request's load
-is charged at dispatch and released exactly once, when its last choice finishes or it is aborted.
+pins one; ``session_id`` names the request's conversation, for ``cache_aware``); aborts and
+stop-string finishes go to the rank that owns the request. A request's load is charged at
+dispatch and released exactly once, when its last choice finishes (a stop string, or the
+core's finish, an error included) or it is aborted (a client's abort or disconnect).
+
+``cache_aware``: once the ranks are ready the client subscribes to every rank's KV events (the
+endpoints each rank reported in its ready message; :class:`atom.kv_subscriber.KVEventSubscriber`)
+and the router reads the subscriber's index. The client polls the subscriber, without waiting,
+before every routing decision and on every ``get_outputs``; no thread of its own.
 
 Waves (docs/ARCHITECTURE.md, "Idle and waves"): the client tracks the current wave and whether it
 believes the group idle. Every request carries the current wave id; dispatching while idle sends
@@ -27,8 +34,10 @@ from collections.abc import Callable
 import msgspec
 
 from atom.config import EngineConfig
-from atom.dp.router import DPRouter
+from atom.dp.router import CacheAwareSettings, DPRouter
 from atom.engine_core_client import MPClient
+from atom.kv_subscriber import KVEventSubscriber, PublisherEndpoints, connectable_endpoint, \
+    wire_block_hashes
 from atom.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -47,22 +56,55 @@ class DPEngineCoreClient(MPClient):
 
     Args: as :class:`~atom.engine_core_client.MPClient` (``ranks``: default spawned on
     this node; :class:`LaunchedRanks` under a launcher).
+
+    Attributes:
+        router: the :class:`~atom.dp.router.DPRouter` (loads, sessions, decision counters).
+        kv_subscriber: the KV event subscriber over every rank (``cache_aware``; else None).
+
+    Raises:
+        RuntimeError: (besides MPClient's) cache_aware, but a rank published no KV events.
     """
 
     ENTRY_MODULE = "atom.dp.engine_core_proc"
 
     def __init__(self, config: EngineConfig, **kwargs):
-        self.router = DPRouter(config.dp_load_balance, config.data_parallel_size)
+        cache_aware = config.dp_load_balance == "cache_aware"
+        self.router = DPRouter(config.dp_load_balance, config.data_parallel_size,
+                               cache_aware=CacheAwareSettings.from_config(config)
+                               if cache_aware else None)
+        self.kv_subscriber: KVEventSubscriber | None = None
         self._unfinished: dict[str, set[int]] = {}  # request id → unfinished choice indices
         self.wave_id = 0
         self.group_idle = True
         self.num_wave_wakeups = 0
         super().__init__(config, **kwargs)
+        if cache_aware:
+            try:
+                self.kv_subscriber = self._subscribe(self.kv_event_publishers)
+            except BaseException:
+                self.shutdown()
+                raise
+            self.router.index = self.kv_subscriber.index
+
+    def _subscribe(self, publishers: list[PublisherEndpoints]) -> KVEventSubscriber:
+        ranks = {p.dp_rank for p in publishers}
+        missing = sorted(set(range(self.num_ranks)) - ranks)
+        if missing:
+            raise RuntimeError(f"dp_load_balance=cache_aware needs every rank's KV events, but "
+                               f"dp rank(s) {missing} published none")
+        return KVEventSubscriber(
+            [PublisherEndpoints(p.dp_rank, connectable_endpoint(p.endpoint),
+                                None if p.replay_endpoint is None
+                                else connectable_endpoint(p.replay_endpoint))
+             for p in publishers],
+            topic=self.config.kv_events_topic, rcvhwm=self.config.kv_events_hwm)
 
     # ----- routing -----
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
-        """Route and send a request (``data_parallel_rank`` pins the rank).
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
+                    session_id: str | None = None) -> None:
+        """Route and send a request (``data_parallel_rank`` pins the rank; ``session_id``:
+        cache_aware keeps a session on its rank).
 
         Raises:
             ValueError: a bad rank hint, or a request id already running.
@@ -70,7 +112,12 @@ class DPEngineCoreClient(MPClient):
             EngineDeadError: a rank process is gone.
         """
         encode(request)  # fail before routing if it cannot be encoded
-        rank = self.router.dispatch(request.request_id, data_parallel_rank)
+        block_hashes: list[int] = []
+        if self.kv_subscriber is not None and data_parallel_rank is None:
+            self.kv_subscriber.poll()  # the freshest index for this decision
+            block_hashes = wire_block_hashes(request.prompt_token_ids, self.config.block_size)
+        rank = self.router.dispatch(request.request_id, data_parallel_rank,
+                                    session_id=session_id, block_hashes=block_hashes)
         self._unfinished[request.request_id] = set(range(request.sampling_params.n))
         # the request first: the rank it wakes then has it in its first tick (no empty wave)
         self._send(rank, msgspec.structs.replace(request, wave_id=self.wave_id))
@@ -109,7 +156,29 @@ class DPEngineCoreClient(MPClient):
             del self._unfinished[request_id]
             self.router.release(request_id)
 
-    # ----- outputs and waves -----
+    # ----- stats, outputs, lifecycle -----
+
+    def get_rank_stats(self) -> list[dict]:
+        """Each rank's stats plus this router's counters for the rank (``dp_router_load``,
+        ``dp_router_decisions_<reason>``)."""
+        return [{**core, **router} for core, router in zip(super().get_rank_stats(),
+                                                            self.router.rank_stats())]
+
+    def front_end_stats(self) -> dict:
+        """The KV event subscriber's counters as ``kv_subscriber_<name>`` (cache_aware)."""
+        if self.kv_subscriber is None:
+            return {}
+        return {f"kv_subscriber_{k}": v for k, v in self.kv_subscriber.stats().items()}
+
+    def get_outputs(self, timeout_s: float | None = None):
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.poll()  # keep the index fresh while the engine runs
+        return super().get_outputs(timeout_s)
+
+    def shutdown(self) -> None:
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.close()
+        super().shutdown()
 
     def _on_outputs(self, message: EngineCoreOutputs) -> None:
         for out in message.outputs:

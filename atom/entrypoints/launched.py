@@ -83,11 +83,16 @@ def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
 
     Raises:
         RuntimeError: rank 0 exited before every rank was ready.
+        ValueError: cache_aware routing over more than one node (this front end subscribes to
+            the ranks' KV events by the endpoints they bound, which name their own node).
     """
     from atom.dp.dp_client import DPEngineCoreClient, LaunchedRanks
     from atom.dp.groups import RankInfo
 
     info = RankInfo.from_env()
+    if config.dp_load_balance == "cache_aware" and info.local_world_size != info.dp_size:
+        raise ValueError("dp_load_balance=cache_aware is not supported across nodes yet: run "
+                         "one node, or pick least_requests / round_robin")
     fd = int(os.environ[FRONT_END_FD_ENV])
 
     def announce(output_addr: str, input_addrs: list[str]) -> None:

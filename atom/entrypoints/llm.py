@@ -104,11 +104,15 @@ class LLM:
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = False,
-                 data_parallel_rank: int | list[int | None] | None = None) -> list[RequestOutput]:
+                 data_parallel_rank: int | list[int | None] | None = None,
+                 session_id: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns one finished RequestOutput per prompt, in order.
 
         ``data_parallel_rank`` pins the DP rank of every prompt (an int) or of each prompt (a
-        list, None entries routed by the policy); ignored with one rank.
+        list, None entries routed by the policy); ignored with one rank. ``session_id`` names
+        the conversation of every prompt (a str) or of each (a list, None: no session): with
+        ``dp_load_balance="cache_aware"`` a session's requests stay on the rank holding its
+        KV unless the load guard moves them.
 
         Prompts are strings, lists of token ids, or ``{"prompt_token_ids": [...]}`` /
         ``{"prompt": "..."}`` dicts. A bad prompt (empty, too long, not fitting the KV pool,
@@ -116,15 +120,17 @@ class LLM:
         and the others still complete.
 
         Raises:
-            ValueError: a list of sampling params (or of ranks) whose length differs from the
-                prompts', or a rank outside ``[0, data_parallel_size)``.
+            ValueError: a list of sampling params (or of ranks, or of session ids) whose length
+                differs from the prompts', or a rank outside ``[0, data_parallel_size)``.
+            TypeError: a session id that is not a string.
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         ranks = self._as_rank_list(data_parallel_rank, len(prompt_list))
+        sessions = _as_session_list(session_id, len(prompt_list))
         request_ids: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, params, rank in zip(prompt_list, params_list, ranks):
+        for prompt, params, rank, session in zip(prompt_list, params_list, ranks, sessions):
             request_id = str(next(self._counter))
             request_ids.append(request_id)
             try:
@@ -133,7 +139,7 @@ class LLM:
                 results[request_id] = _error_output(request_id, prompt, str(exc), params.n)
                 continue
             self._engine.add_request(request_id, token_ids, params, prompt=text,
-                                     data_parallel_rank=rank)
+                                     data_parallel_rank=rank, session_id=session)
         self._run(results, len(request_ids), use_tqdm)
         return [results[rid] for rid in request_ids]
 
@@ -278,6 +284,17 @@ class LLM:
                     bar.set_postfix_str(f"input {num_prompt_tokens / elapsed_s:.1f} tok/s, "
                                         f"output {num_output_tokens / elapsed_s:.1f} tok/s")
         bar.close()
+
+
+def _as_session_list(session_id: Any, num_prompts: int) -> list[str | None]:
+    sessions = ([session_id] * num_prompts if session_id is None or isinstance(session_id, str)
+                else list(session_id))
+    if len(sessions) != num_prompts:
+        raise ValueError(f"got {len(sessions)} session_id values for {num_prompts} prompts")
+    bad = [s for s in sessions if s is not None and not isinstance(s, str)]
+    if bad:
+        raise TypeError(f"a session_id must be a str (or None), got {bad[0]!r}")
+    return sessions
 
 
 def _as_token_ids(value: Any) -> list[int]:

@@ -216,6 +216,7 @@ def test_disconnect_aborts_and_frees_kv(any_server):
     assert _wait_metric(any_server, "atom:kv_cache_usage_perc", lambda v: v == 0) == 0
     assert any_server.metric("atom:num_kv_blocks_used") == 0
     assert any_server.metric("atom:num_aborted_seqs_total") == aborted + 1
+    assert _wait_metric(any_server, "atom:dp_router_load", lambda v: v == 0) == 0  # released
 
 
 def test_disconnect_aborts_non_streaming_request(any_server):
@@ -226,6 +227,7 @@ def test_disconnect_aborts_non_streaming_request(any_server):
                                              "ignore_eos": True}, timeout=httpx.Timeout(60, read=1.0))
     assert _wait_metric(any_server, "atom:num_aborted_seqs_total", lambda v: v == aborted + 1) == aborted + 1
     assert _wait_metric(any_server, "atom:num_kv_blocks_used", lambda v: v == 0) == 0
+    assert _wait_metric(any_server, "atom:dp_router_load", lambda v: v == 0) == 0  # released
 
 
 def test_finishes_inside_the_engine_send_no_abort(any_server):
@@ -260,6 +262,7 @@ def test_metrics_names_and_histograms(any_server):
     assert ranks == {str(r) for r in range(any_server.data_parallel_size)}
     if any_server.data_parallel_size > 1:
         assert any_server.metric("atom:prefill_delayer_decisions_total") > 0
+        assert any_server.metric("atom:dp_router_decisions_total") > 0
 
 
 # ----- bad input: 400 / 404 with OpenAI error JSON, and the next request still works -----

@@ -8,6 +8,9 @@ Errors, in one place (:func:`_install_error_handlers`): bad input is a 400 and a
 404, both with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; a missing or
 wrong API key is a 401; a dead engine is a 503. Bad input never reaches the engine.
 
+An ``X-Session-ID`` header names the conversation a request belongs to; the DP router keeps a
+session on one rank (``--dp-load-balance cache_aware``).
+
 A client that disconnects aborts its request (streaming: the response task is cancelled;
 non-streaming: a watcher on the connection cancels the handler), so its KV blocks are freed
 within a step. ``/health`` is 503 once an engine core has exited or does not answer a stats call
@@ -41,7 +44,7 @@ from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME
 from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from atom.entrypoints.openai.serving import APIError, OpenAIServing, sse, sse_json
+from atom.entrypoints.openai.serving import APIError, OpenAIServing, session_id_of, sse, sse_json
 from atom.entrypoints.openai.serving_chat import create_chat_completion
 from atom.entrypoints.openai.serving_completion import create_completion
 
@@ -59,11 +62,14 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
 
     @v1.post("/completions")
     async def completions(req: p.CompletionRequest, request: Request):
-        return await _respond(request, create_completion(serving, req))
+        session_id = session_id_of(request.headers)
+        return await _respond(request, create_completion(serving, req, session_id=session_id))
 
     @v1.post("/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
-        return await _respond(request, create_chat_completion(serving, req))
+        session_id = session_id_of(request.headers)
+        return await _respond(request, create_chat_completion(serving, req,
+                                                              session_id=session_id))
 
     @v1.get("/models")
     async def models() -> p.ModelList:
@@ -84,11 +90,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         try:
-            rank_stats = await engine.call(lambda e: e.get_rank_stats(),
-                                           timeout_s=_HEALTH_TIMEOUT_S)
+            rank_stats, front_end_stats = await engine.call(
+                lambda e: (e.get_rank_stats(), e.front_end_stats()), timeout_s=_HEALTH_TIMEOUT_S)
         except (EngineDeadError, TimeoutError):
-            rank_stats = []
-        return Response(metrics.render(rank_stats), media_type=CONTENT_TYPE)
+            rank_stats, front_end_stats = [], {}
+        return Response(metrics.render(rank_stats, front_end_stats), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

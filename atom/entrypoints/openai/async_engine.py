@@ -41,6 +41,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    session_id: str | None
     stream: "_Stream"
 
 
@@ -98,8 +99,10 @@ class AsyncEngine:
     # ----- asyncio side -----
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Run one request; yields its outputs, the last one finished.
+                       *, prompt: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Run one request (of session ``session_id``, for the DP router); yields its
+        outputs, the last one finished.
 
         Closing the iterator early (or cancelling the task awaiting it) aborts the request, so
         its KV blocks are freed within a step.
@@ -109,7 +112,7 @@ class AsyncEngine:
             ValueError: ``request_id`` is already in use.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, stream))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, session_id, stream))
         finished = False
         try:
             while not finished:
@@ -188,7 +191,8 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params, prompt=command.prompt)
+                                        command.params, prompt=command.prompt,
+                                        session_id=command.session_id)
             except ValueError as exc:  # a duplicate id: that request fails, nothing else
                 self._streams.pop(command.request_id)
                 command.stream.put(exc)

@@ -5,8 +5,12 @@ Two sources:
 - engine state, read from every engine core's ``get_stats`` when ``/metrics`` is scraped and
   labelled ``dp_rank``: running and waiting sequences, KV cache usage (blocks with ref count > 0
   over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
-  (tokens), preemptions, aborted and front-end-finished sequences, and, with data parallelism,
-  the PrefillDelayer's decisions per reason and its hold rate;
+  (tokens) and their hit rate, preemptions, aborted and front-end-finished sequences, KV event
+  batches published and dropped (when the ranks publish), and, with data parallelism, the
+  PrefillDelayer's decisions per reason and its hold rate, and the DP router's load (unfinished
+  requests it charged to the rank) and decisions per reason (``atom.dp.router.REASONS``);
+- the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
+  (batches applied, gaps detected / healed / unhealed, lost batches, decode failures);
 - per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
   latency histograms (seconds), prompt and generation token counters, finished requests per
   ``finished_reason``.
@@ -20,6 +24,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from atom.dp.router import REASONS
 from atom.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +40,10 @@ _ENGINE_GAUGES = (
     ("atom:num_kv_blocks_total", "num_total_blocks", "KV cache blocks in the pool."),
     ("atom:prefill_delayer_hold_rate", "prefill_delayer_hold_rate",
      "PrefillDelayer holds / ticks where some rank was ready."),
+    ("atom:prefix_cache_hit_rate", "prefix_cache_hit_rate",
+     "Prefix-cache hits / queries (prompt tokens) since start (0-1)."),
+    ("atom:dp_router_load", "dp_router_load",
+     "Unfinished requests the DP router charged to the rank (waiting + running + on the wire)."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -43,9 +52,29 @@ _ENGINE_COUNTERS = (
     ("atom:num_aborted_seqs", "num_aborted_seqs", "Sequences aborted by clients (disconnects)."),
     ("atom:num_front_end_finished_seqs", "num_front_end_finished_seqs",
      "Sequences ended by a stop string matched in the front end."),
+    ("atom:kv_events_published_batches", "kv_events_published_batches",
+     "KV event batches the rank published (one per step with events)."),
+    ("atom:kv_events_dropped_batches", "kv_events_dropped_batches",
+     "KV event batches dropped unsent because the publisher's queue was full."),
 )
 _DELAYER_PREFIX = "prefill_delayer_"
 _DELAYER_REASONS = ("allow_all", "allow_none", "hold", "timeout", "watermark", "disabled")
+_ROUTER_PREFIX = "dp_router_decisions_"
+# (metric name, front-end stats key, help): the DP router's KV event subscriber
+_SUBSCRIBER_COUNTERS = (
+    ("atom:kv_events_subscriber_applied_batches", "kv_subscriber_num_applied_batches",
+     "KV event batches the DP router's subscriber applied to its index."),
+    ("atom:kv_events_subscriber_gaps_detected", "kv_subscriber_num_gaps_detected",
+     "Seq gaps the subscriber saw in a rank's KV event stream."),
+    ("atom:kv_events_subscriber_gaps_healed", "kv_subscriber_num_gaps_healed",
+     "Seq gaps whose every missing batch came back by replay."),
+    ("atom:kv_events_subscriber_gaps_unhealed", "kv_subscriber_num_gaps_unhealed",
+     "Seq gaps with batches lost for good (that rank's index may be stale)."),
+    ("atom:kv_events_subscriber_lost_batches", "kv_subscriber_num_lost_batches",
+     "KV event batches that never arrived, live or replayed."),
+    ("atom:kv_events_subscriber_decode_failures", "kv_subscriber_num_decode_failures",
+     "Unreadable KV event messages, payloads or events."),
+)
 
 
 class _EngineCollector:
@@ -54,6 +83,7 @@ class _EngineCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.rank_stats: list[dict] = []
+        self.front_end_stats: dict = {}
 
     def collect(self):
         labels = ["model_name", "dp_rank"]
@@ -78,16 +108,30 @@ class _EngineCollector:
         for name, key, doc in _ENGINE_COUNTERS:
             family = CounterMetricFamily(name, doc, labels=labels)
             for values, s in rows:
-                family.add_metric(values, s.get(key, 0))
+                if key in s or not key.startswith("kv_events_"):  # events: only when on
+                    family.add_metric(values, s.get(key, 0))
             yield family
-        decisions = CounterMetricFamily("atom:prefill_delayer_decisions",
-                                        "PrefillDelayer decisions per reason (DP only).",
-                                        labels=labels + ["reason"])
-        for values, s in rows:
-            for reason in _DELAYER_REASONS:
-                if _DELAYER_PREFIX + reason in s:
-                    decisions.add_metric(values + [reason], s[_DELAYER_PREFIX + reason])
-        yield decisions
+        yield _per_reason("atom:prefill_delayer_decisions",
+                          "PrefillDelayer decisions per reason (DP only).", rows,
+                          _DELAYER_PREFIX, _DELAYER_REASONS)
+        yield _per_reason("atom:dp_router_decisions",
+                          "DP router decisions per reason, by destination rank (DP only).",
+                          rows, _ROUTER_PREFIX, REASONS)
+        for name, key, doc in _SUBSCRIBER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            if key in self.front_end_stats:
+                family.add_metric([self.model_name], self.front_end_stats[key])
+            yield family
+
+
+def _per_reason(name: str, doc: str, rows, prefix: str, reasons) -> CounterMetricFamily:
+    """A counter family with a ``reason`` label from the stats keys ``prefix + reason``."""
+    family = CounterMetricFamily(name, doc, labels=["model_name", "dp_rank", "reason"])
+    for values, s in rows:
+        for reason in reasons:
+            if prefix + reason in s:
+                family.add_metric(values + [reason], s[prefix + reason])
+    return family
 
 
 class ServerMetrics:
@@ -132,7 +176,9 @@ class ServerMetrics:
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.request_success.labels(self.model_name, str(reason)).inc()
 
-    def render(self, rank_stats: list[dict]) -> bytes:
-        """The exposition text, with the engine series from ``rank_stats`` (one dict per rank)."""
+    def render(self, rank_stats: list[dict], front_end_stats: dict | None = None) -> bytes:
+        """The exposition text, with the engine series from ``rank_stats`` (one dict per rank)
+        and the front end's from ``front_end_stats`` (:meth:`atom.engine.LLMEngine.front_end_stats`)."""
         self._engine.rank_stats = rank_stats
+        self._engine.front_end_stats = front_end_stats or {}
         return generate_latest(self.registry)

@@ -2,13 +2,16 @@
 
 One path serves ``/v1/completions`` and ``/v1/chat/completions``: every prompt of a request
 becomes one engine request (``n`` choices each, numbered ``prompt_index * n + choice``); their
-outputs are merged into one stream of per-choice deltas (:meth:`OpenAIServing._deltas`), which the
+outputs are merged into one stream of per-choice deltas (:meth:`OpenAIServing.deltas`), which the
 endpoint formats as SSE chunks or collects into one response.
 
 Streaming rules: a choice's text only ever grows (the output side holds back a possible
 stop-string prefix and never splits a UTF-8 character); each choice gets exactly one chunk with
 its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``usage: null`` and
 one last chunk with no choices carries the usage; without it no chunk has ``usage``.
+
+A request's ``X-Session-ID`` header (:func:`session_id_of`) travels with its engine requests to
+the DP router, which keeps a session on one rank (``cache_aware``); it never reaches the core.
 
 Bad input raises :class:`APIError` (mapped to OpenAI error JSON in
 :mod:`atom.entrypoints.openai.api_server`) before anything reaches the engine.
@@ -34,6 +37,23 @@ _MAX_N = 128  # OpenAI's limit on choices per request
 _MIN_LOGPROB = -9999.0  # -inf is not JSON: clamp (as vLLM does)
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range is [-100, 100]
 _INT64 = 2**63
+
+
+_MAX_SESSION_ID_CHARS = 256
+SESSION_HEADER = "x-session-id"
+
+
+def session_id_of(headers) -> str | None:
+    """The request's session id: its ``X-Session-ID`` header (None: absent or empty).
+
+    Raises:
+        APIError: a header longer than 256 characters.
+    """
+    value = headers.get(SESSION_HEADER) or None
+    if value is not None and len(value) > _MAX_SESSION_ID_CHARS:
+        raise APIError(f"the X-Session-ID header is {len(value)} characters long; send at most "
+                       f"{_MAX_SESSION_ID_CHARS}", param="X-Session-ID")
+    return value
 
 
 class APIError(Exception):
@@ -210,9 +230,10 @@ class OpenAIServing:
 
     # ----- running -----
 
-    async def outputs(self, prompts: list[_Prompt],
-                      params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """``(prompt_index, output)`` of every prompt's request, as the engine produces them.
+    async def outputs(self, prompts: list[_Prompt], params: SamplingParams, *,
+                      session_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt_index, output)`` of every prompt's request, as the engine produces them
+        (every one in session ``session_id``, for the DP router).
 
         Closing the iterator aborts the requests still running.
         """
@@ -222,7 +243,7 @@ class OpenAIServing:
         async def pump(i: int, prompt: _Prompt) -> None:
             try:
                 async for out in self.engine.generate(f"{base}-{i}", prompt.token_ids, params,
-                                                      prompt=prompt.text):
+                                                      prompt=prompt.text, session_id=session_id):
                     updates.put_nowait((i, out))
             except Exception as exc:  # the consumer re-raises it
                 updates.put_nowait((i, exc))
@@ -240,8 +261,8 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()  # a running request's generator aborts it on the way out
 
-    async def deltas(self, prompts: list[_Prompt], params: SamplingParams,
-                     tally: UsageTally) -> AsyncIterator[Delta]:
+    async def deltas(self, prompts: list[_Prompt], params: SamplingParams, tally: UsageTally, *,
+                     session_id: str | None = None) -> AsyncIterator[Delta]:
         """Per-choice deltas; ``tally`` holds the usage once the iterator is exhausted.
 
         Raises:
@@ -250,7 +271,7 @@ class OpenAIServing:
         cursors = [[_ChoiceCursor() for _ in range(params.n)] for _ in prompts]
         tally.prompt_tokens = [len(x.token_ids) for x in prompts]
         tally.cached_tokens = [0] * len(prompts)
-        async for i, out in self.outputs(prompts, params):
+        async for i, out in self.outputs(prompts, params, session_id=session_id):
             tally.cached_tokens[i] = out.num_cached_tokens
             for c in out.outputs:
                 delta = _advance(cursors[i][c.index], c, prompt_index=i, n=params.n,

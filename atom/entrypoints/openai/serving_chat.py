@@ -12,10 +12,12 @@ from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, Usag
 from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
 
 
-async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest
+async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, *,
+                                 session_id: str | None = None
                                  ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """The response, or (``stream``) an iterator of SSE events ending in ``[DONE]``: per
-    choice a first chunk with the role, content chunks, and one chunk with its finish_reason.
+    choice a first chunk with the role, content chunks, and one chunk with its finish_reason
+    (``session_id``: the DP router's session, from the ``X-Session-ID`` header).
 
     Raises:
         APIError: bad input (400) or an unknown model (404).
@@ -33,7 +35,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     tally = UsageTally()
     header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                   model=serving.model_name)
-    deltas = serving.deltas([prompt], params, tally)
+    deltas = serving.deltas([prompt], params, tally, session_id=session_id)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(serving, deltas, tally, num_top=num_top, include_usage=include_usage,

@@ -18,9 +18,11 @@ from atom.entrypoints.openai.serving import (
 )
 
 
-async def create_completion(serving: OpenAIServing,
-                            req: p.CompletionRequest) -> p.CompletionResponse | AsyncIterator[str]:
-    """The response, or (``stream``) an iterator of SSE events ending in ``[DONE]``.
+async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
+                            session_id: str | None = None
+                            ) -> p.CompletionResponse | AsyncIterator[str]:
+    """The response, or (``stream``) an iterator of SSE events ending in ``[DONE]``
+    (``session_id``: the DP router's session, from the ``X-Session-ID`` header).
 
     With ``echo`` each choice's text starts with its prompt (and ``logprobs`` with the prompt
     tokens', the first one ``None``).
@@ -41,7 +43,7 @@ async def create_completion(serving: OpenAIServing,
     tally = UsageTally()
     header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=serving.model_name)
     format_choice = _ChoiceFormatter(serving, prompts, echo=req.echo, num_top=req.logprobs)
-    deltas = serving.deltas(prompts, params, tally)
+    deltas = serving.deltas(prompts, params, tally, session_id=session_id)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(deltas, format_choice, tally, include_usage=include_usage, header=header)

@@ -1,0 +1,125 @@
+"""``atom serve --data-parallel-size 2 --dp-load-balance cache_aware`` over HTTP with the official
+``openai`` client: the ``X-Session-ID`` header keeps a conversation on its rank, the router's
+load returns to 0 after a finish, an abort, a client disconnect and an engine error (streaming
+and not, completions and chat), and ``/metrics`` carries the routing and KV event series.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import API_KEY, MODEL, RemoteServer
+
+pytestmark = pytest.mark.xdist_group("multiproc")
+
+DEADLINE_S = 30.0  # liveness: a released request shows in /metrics within this
+MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer("--dp-load-balance", "cache_aware", api_key=API_KEY, data_parallel_size=2)
+    yield srv
+    assert srv.stop() == 0
+
+
+def samples(server: RemoteServer, name: str) -> dict[tuple, float]:
+    """``{sorted label items (model_name left out): value}`` of one sample name."""
+    text = httpx.get(server.url + "/metrics", timeout=30.0).text
+    return {tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name}
+
+
+def decisions(server: RemoteServer) -> dict[tuple[str, str], float]:
+    """``{(dp_rank, reason): requests}`` of the router."""
+    return {(dict(k)["dp_rank"], dict(k)["reason"]): v
+            for k, v in samples(server, "atom:dp_router_decisions_total").items()}
+
+
+def wait_no_load(server: RemoteServer) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while sum(samples(server, "atom:dp_router_load").values()) != 0:
+        assert time.monotonic() < deadline, samples(server, "atom:dp_router_load")
+        time.sleep(0.1)  # polling /metrics until the engine thread released the request
+
+
+def test_session_header_keeps_a_conversation_on_its_rank(server):
+    client = server.client()
+    before = decisions(server)
+    messages = list(MESSAGES)
+    for _ in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0,
+            extra_headers={"X-Session-ID": "conversation-1"})
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "And three more?"}]
+    delta = {k: v - before.get(k, 0) for k, v in decisions(server).items() if v != before.get(k, 0)}
+    (first,) = [k for k in delta if k[1] == "least_load"]
+    assert sum(delta.values()) == 3
+    assert {rank for rank, _ in delta} == {first[0]}, delta  # every turn on the first one's rank
+    assert all(reason in ("least_load", "session", "cache_hit") for _, reason in delta), delta
+    wait_no_load(server)
+
+
+def test_too_long_session_header_is_400(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60.0,
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                   headers={**server.headers(), "X-Session-ID": "x" * 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-ID"
+
+
+def test_router_load_returns_to_zero_on_every_path(server):
+    client = server.client()
+    session = {"X-Session-ID": "paths"}
+    # finish: non-streaming and streaming, completions and chat
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_headers=session)
+    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                        stream=True, extra_headers=session))
+    wait_no_load(server)
+    # abort: a stream the client closes part way
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                       stream=True, extra_body={"ignore_eos": True},
+                                       extra_headers=session)
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert sum(samples(server, "atom:dp_router_load").values()) == 1
+    stream.close()
+    wait_no_load(server)
+    # disconnect: a non-streaming request whose client stops waiting
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=1.0).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1500, extra_body={"ignore_eos": True},
+            extra_headers=session)
+    wait_no_load(server)
+    # error: a prompt the engine cannot fit in its KV pool (finishes with an error: a 400)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[7] * 2100, max_tokens=4,
+                                  extra_headers=session)
+    wait_no_load(server)
+
+
+def test_metrics_carry_routing_hit_rates_and_kv_events(server):
+    server.client().completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=2)
+    for name in ("atom:prefix_cache_hit_rate", "atom:kv_events_published_batches_total",
+                 "atom:kv_events_dropped_batches_total", "atom:dp_router_load"):
+        ranks = {dict(k)["dp_rank"] for k in samples(server, name)}
+        assert ranks == {"0", "1"}, name
+    assert sum(samples(server, "atom:kv_events_published_batches_total").values()) > 0
+    assert sum(samples(server, "atom:kv_events_dropped_batches_total").values()) == 0
+    assert {reason for _, reason in decisions(server)} == {
+        "hint", "round_robin", "least_load", "cache_hit", "session", "guard_fallback"}
+    for name in ("atom:kv_events_subscriber_applied_batches_total",
+                 "atom:kv_events_subscriber_gaps_healed_total",
+                 "atom:kv_events_subscriber_lost_batches_total",
+                 "atom:kv_events_subscriber_decode_failures_total"):
+        assert len(samples(server, name)) == 1, name
+    assert sum(samples(server, "atom:kv_events_subscriber_applied_batches_total").values()) > 0
+    assert sum(samples(server, "atom:kv_events_subscriber_lost_batches_total").values()) == 0
