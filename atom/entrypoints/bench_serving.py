@@ -46,7 +46,8 @@ class BenchRequest:
 
 @dataclass
 class RequestResult:
-    """What one request measured (seconds)."""
+    """What one request measured (seconds; tokens from the final usage chunk; ``text`` the
+    output of choice 0)."""
 
     success: bool = False
     error: str = ""
@@ -54,7 +55,9 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
+    text: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -152,7 +155,8 @@ def load_requests(args: argparse.Namespace, tokenizer, num: int, seed: int) -> l
 
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
-    """Stream one completion and time it; never raises (failures are in the result)."""
+    """Stream one completion (``/v1/completions`` or ``/v1/chat/completions``) and time it;
+    never raises (failures are in the result)."""
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -172,15 +176,21 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
                     result.error = str(chunk["error"].get("message"))
                     return result
                 now = time.perf_counter()
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                pieces = [c.get("text") or (c.get("delta") or {}).get("content")
+                          for c in chunk.get("choices", []) if c.get("index", 0) == 0]
+                if any(pieces):
+                    result.text += "".join(p for p in pieces if p)
                     if result.ttft_s == 0.0:
                         result.ttft_s = now - start
                     else:
                         result.itl_s.append(now - last)
                     last = now
                 if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.output_tokens = usage["completion_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens") or 0
         result.e2e_s = time.perf_counter() - start
         result.success = result.output_tokens > 0 or result.ttft_s > 0.0
         if not result.success:
@@ -336,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
     report = {"args": {k: str(v) if isinstance(v, pathlib.Path) else v
                        for k, v in vars(args).items() if k not in ("func", "runs_engine", "api_key")},
-              "summary": summary, "requests": [asdict(r) for r in results]}
+              "summary": summary,
+              "requests": [{k: v for k, v in asdict(r).items() if k != "text"} for r in results]}
     args.output_json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output_json}")
     return 1 if summary["failed"] else 0

@@ -90,15 +90,19 @@ class LLM:
     def get_tokenizer(self):
         return self._engine.tokenizer
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> dict[str, int | float]:
         """num_free_blocks, num_total_blocks, num_running, num_waiting, num_preemptions,
-        prefix_cache_queries, prefix_cache_hits (both in tokens), num_aborted_seqs (client
-        aborts), num_front_end_finished_seqs (ended by a stop string)."""
+        prefix_cache_queries, prefix_cache_hits (both in tokens), prefix_cache_hit_rate,
+        num_aborted_seqs (client aborts), num_front_end_finished_seqs (ended by a stop string);
+        with KV events kv_events_published_batches / kv_events_dropped_batches; with DP the
+        router's dp_router_load and dp_router_decisions_<reason>, and with cache_aware the
+        subscriber's kv_subscriber_* counters."""
         return self._engine.get_stats()
 
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
-        collective count and hash, PrefillDelayer counters); one rank: ``[get_stats()]``."""
+        collective count and hash, PrefillDelayer counters, the router's counters for the
+        rank); one rank: ``[get_stats()]``."""
         return self._engine.get_rank_stats()
 
     def generate(self, prompts: PromptType | list[PromptType],

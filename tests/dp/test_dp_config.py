@@ -1,4 +1,5 @@
-"""DP engine options: CLI flags generated from EngineConfig, validation, delayer default."""
+"""DP engine options: CLI flags generated from EngineConfig (routing and KV events included),
+validation, delayer default."""
 
 from __future__ import annotations
 
@@ -39,9 +40,31 @@ def test_delayer_default_follows_dp_size():
     assert EngineConfig(data_parallel_size=2).resolved_prefill_delayer()
 
 
+def test_routing_and_kv_events_flags():
+    config = _parse(["--data-parallel-size", "2", "--dp-load-balance", "cache_aware",
+                     "--dp-load-guard-abs-threshold", "4", "--dp-load-guard-rel-threshold", "2",
+                     "--dp-cache-aware-min-match-ratio", "0.25",
+                     "--kv-events-endpoint", "tcp://*:5557",
+                     "--kv-events-replay-endpoint", "tcp://*:5567", "--kv-events-topic", "kv",
+                     "--kv-events-buffer-size", "50"])
+    assert (config.dp_load_guard_abs_threshold, config.dp_load_guard_rel_threshold,
+            config.dp_cache_aware_min_match_ratio) == (4, 2.0, 0.25)
+    events = config.resolved_kv_events()
+    assert (events.endpoint, events.replay_endpoint, events.topic, events.buffer_size) == (
+        "tcp://*:5557", "tcp://*:5567", "kv", 50)
+    assert _parse([]).resolved_kv_events() is None  # off by default
+
+
 @pytest.mark.parametrize("bad", [dict(data_parallel_size=0), dict(dp_load_balance="random"),
                                  dict(prefill_delayer_max_delay_passes=0),
-                                 dict(prefill_delayer_kv_low_watermark=1.5)])
+                                 dict(prefill_delayer_kv_low_watermark=1.5),
+                                 dict(dp_load_guard_abs_threshold=-1),
+                                 dict(dp_load_guard_rel_threshold=0.5),
+                                 dict(dp_cache_aware_min_match_ratio=1.5),
+                                 dict(dp_load_balance="cache_aware", enable_prefix_caching=False),
+                                 dict(kv_events_endpoint="tcp://127.0.0.1"),
+                                 dict(kv_events_endpoint="tcp://127.0.0.1:5557",
+                                      kv_events_buffer_size=0)])
 def test_validation(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
