@@ -18,7 +18,7 @@ from atom.block_manager import BlockManager
 from atom.kv_events import (AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventPublisher,
                             removed_event, stored_event, to_wire_hash)
 from atom.kv_subscriber import (KVCacheIndex, KVEventSubscriber, PublisherEndpoints,
-                                wire_block_hashes)
+                                connectable_endpoint, wire_block_hashes)
 from atom.sampling_params import SamplingParams
 from atom.sequence import Sequence
 from tests.test_kv_events import LOOPBACK, events_config, wait_sent, wait_until
@@ -343,3 +343,10 @@ def test_for_ranks_offsets_ports_and_rejects_os_chosen_ports():
         KVEventSubscriber.for_ranks(LOOPBACK, dp_size=2)
     with pytest.raises(ValueError, match="distinct"):
         KVEventSubscriber([PublisherEndpoints(0, LOOPBACK), PublisherEndpoints(0, LOOPBACK)])
+
+
+def test_connectable_endpoint_turns_wildcard_hosts_into_loopback():
+    assert connectable_endpoint("tcp://0.0.0.0:5557") == "tcp://127.0.0.1:5557"
+    assert connectable_endpoint("tcp://[::]:5557") == "tcp://[::1]:5557"
+    for unchanged in ("tcp://10.0.0.7:5557", "ipc:///tmp/kv_dp1", "tcp://127.0.0.1:41234"):
+        assert connectable_endpoint(unchanged) == unchanged

@@ -72,6 +72,7 @@ def run_sessions(llm: LLM, *, seed: int, baseline: DPRouter | None = None) -> di
     session the rank each turn was sent to (cache_aware's session table).
     """
     assert llm.engine.client.call_utility("reset_prefix_cache")["reset"]
+    wait_index_equals(llm.engine.client.kv_subscriber, [set(), set()])  # the router saw it
     rng = random.Random(seed)
     system = random_tokens(rng, SYSTEM_TOKENS)
     history = {s: list(system) for s in range(NUM_SESSIONS)}

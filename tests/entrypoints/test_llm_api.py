@@ -61,7 +61,8 @@ def test_unknown_engine_option_is_an_error():
 def test_stats_keys(llm):
     assert set(llm.get_stats()) == {"num_free_blocks", "num_total_blocks", "num_running", "num_waiting",
                                     "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-                                    "num_aborted_seqs", "num_front_end_finished_seqs"}
+                                    "prefix_cache_hit_rate", "num_aborted_seqs",
+                                    "num_front_end_finished_seqs"}
 
 
 def test_shutdown_is_final():
