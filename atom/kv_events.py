@@ -33,7 +33,8 @@ Transport (:class:`KVEventPublisher`, one per DP rank):
 - Endpoints: the TCP port is offset by the DP rank (port 0 or ``*``: the OS chooses, no
   offset); ``ipc://`` and ``inproc://`` names get a ``_dp{rank}`` suffix for ranks > 0 (vLLM's
   rule for inproc). The publisher always binds (vLLM connects when the host is not a
-  wildcard); the endpoint's host decides the interface (default loopback).
+  wildcard); the endpoint's host decides the interface (an engine binds only what
+  ``--kv-events-endpoint`` names, or loopback when cache_aware routing turns events on itself).
 - The ROUTER has no send high-water mark, so a replay is never cut short (a ROUTER drops what
   exceeds its HWM silently); the cost is memory for answers a client requested and does not
   read, at most one buffer's payloads per request.
