@@ -82,8 +82,9 @@ SHUTDOWN_GRACE_S = 5.0  # after Shutdown, before SIGTERM; and after SIGTERM, bef
 _STDERR_TAIL_LINES = 40
 
 # get_stats keys that are not summed across ranks by call_utility (the merged view takes the max)
+# (the KV pool's sizes are summed: free and total blocks of the whole deployment)
 _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "collective_hash",
-                         "idle", "num_total_blocks", "prefill_delayer_hold_rate",
+                         "idle", "prefill_delayer_hold_rate",
                          "prefill_delayer_max_consecutive_holds", "num_waves_completed",
                          "num_steps", "num_prefill_steps", "num_mixed_prefill_steps",
                          "num_tbo_steps"))
