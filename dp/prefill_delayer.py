@@ -31,7 +31,7 @@ Lineage: SGLang #14201 / #16269, ATOM #930 / #1017. Failure modes designed out: 
 clocks (SGLang #30521; here every input is gathered and the only state is a tick counter that
 evolves identically on every rank); unbounded holds and never-decaying inputs (SGLang #32880;
 holds are bounded, inputs are recomputed every tick); readiness that differs from admission
-(SGLang #31835, ATOM #930; inputs come from ``Scheduler.num_admittable``, the dry run of the
+(SGLang #31835, ATOM #930; inputs come from ``Scheduler.preview_admission``, the dry run of the
 scheduler's own admission).
 """
 
@@ -106,7 +106,7 @@ class AdmissionSource(Protocol):
 
     block_manager: _KVPool
 
-    def num_admittable(self, cap: int) -> int: ...
+    def preview_admission(self): ...  # -> atom.scheduler.AdmissionPreview
 
     def has_pending_prefill(self) -> bool: ...
 
@@ -152,7 +152,7 @@ class PrefillDelayer:
     def local_inputs(self, scheduler: AdmissionSource) -> PrefillInputs:
         """This rank's inputs, from the scheduler's side-effect-free admission dry run."""
         return PrefillInputs(
-            num_admittable=scheduler.num_admittable(MAX_NUM_ADMITTABLE),
+            num_admittable=min(scheduler.preview_admission().num_prefills, MAX_NUM_ADMITTABLE),
             has_pending_prefill=scheduler.has_pending_prefill(),
             kv_usage_ppm=kv_usage_to_ppm(scheduler.block_manager.kv_usage))
 

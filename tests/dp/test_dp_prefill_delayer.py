@@ -14,6 +14,7 @@ from atom.dp.prefill_delayer import (
     PrefillDelayer,
 )
 from atom.dp.sync import ControlState, GatheredControl
+from atom.scheduler import AdmissionPreview
 
 WATERMARK = 0.5  # the low watermark of the tests that turn the valve on
 
@@ -117,8 +118,8 @@ def test_local_inputs():
         admittable: int
         pending: bool
 
-        def num_admittable(self, cap: int) -> int:
-            return min(self.admittable, cap)
+        def preview_admission(self) -> AdmissionPreview:
+            return AdmissionPreview(num_prefills=self.admittable)
 
         def has_pending_prefill(self) -> bool:
             return self.pending
