@@ -98,7 +98,7 @@ class LLM:
 
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
-        collective count and hash, PrefillDelayer counters); one rank: ``[get_stats()]``."""
+        collective count and hash, prefill policy counters); one rank: ``[get_stats()]``."""
         return self._engine.get_rank_stats()
 
     def generate(self, prompts: PromptType | list[PromptType],

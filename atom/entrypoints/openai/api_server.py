@@ -236,7 +236,7 @@ def run_server(args: argparse.Namespace) -> int:
     if config.skip_tokenizer_init:
         raise ValueError("atom serve needs the tokenizer: drop --skip-tokenizer-init")
     model_name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, prefill_policy=config.resolved_prefill_policy())
     engine = build_engine(config)
     async_engine = AsyncEngine(engine, on_finished=metrics.record_finished)
     try:

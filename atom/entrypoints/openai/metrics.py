@@ -6,7 +6,10 @@ Two sources:
   labelled ``dp_rank``: running and waiting sequences, KV cache usage (blocks with ref count > 0
   over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
   (tokens), preemptions, aborted and front-end-finished sequences, and, with data parallelism,
-  the PrefillDelayer's decisions per reason and its hold rate;
+  the cross-rank prefill policy's decisions per reason (``atom:prefill_policy_decisions``,
+  labelled ``policy`` and ``reason``; they sum to its decisions), its hold rate and its longest
+  run of holds; with the delayer, also under the names that predate the other policies
+  (``atom:prefill_delayer_decisions``, ``atom:prefill_delayer_hold_rate``);
 - per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
   latency histograms (seconds), prompt and generation token counters, finished requests per
   ``finished_reason``.
@@ -33,8 +36,6 @@ _ENGINE_GAUGES = (
     ("atom:num_requests_running", "num_running", "Sequences in the running batch."),
     ("atom:num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled."),
     ("atom:num_kv_blocks_total", "num_total_blocks", "KV cache blocks in the pool."),
-    ("atom:prefill_delayer_hold_rate", "prefill_delayer_hold_rate",
-     "PrefillDelayer holds / ticks where some rank was ready."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -44,15 +45,19 @@ _ENGINE_COUNTERS = (
     ("atom:num_front_end_finished_seqs", "num_front_end_finished_seqs",
      "Sequences ended by a stop string matched in the front end."),
 )
-_DELAYER_PREFIX = "prefill_delayer_"
-_DELAYER_REASONS = ("allow_all", "allow_none", "hold", "timeout", "watermark", "disabled")
+_DECISIONS_PREFIX = "prefill_policy_decisions_"  # + reason: the DP loop's stats keys
+_POLICY_GAUGES = (
+    ("hold_rate", "Prefill policy holds / ticks where some rank could admit a prefill."),
+    ("max_consecutive_holds", "Longest run of consecutive prefill holds (ticks)."),
+)
 
 
 class _EngineCollector:
     """Yields the engine series from the last stats snapshot (one dict per DP rank)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefill_policy: str):
         self.model_name = model_name
+        self.prefill_policy = prefill_policy
         self.rank_stats: list[dict] = []
 
     def collect(self):
@@ -80,14 +85,37 @@ class _EngineCollector:
             for values, s in rows:
                 family.add_metric(values, s.get(key, 0))
             yield family
-        decisions = CounterMetricFamily("atom:prefill_delayer_decisions",
-                                        "PrefillDelayer decisions per reason (DP only).",
-                                        labels=labels + ["reason"])
+        yield from self._policy_families(labels, rows)
+
+    def _policy_families(self, labels: list[str], rows: list[tuple[list[str], dict]]):
+        """The prefill policy's series (DP only: a single rank has no policy stats)."""
+        yield from _decision_families("atom:prefill_policy", labels, rows,
+                                      policy=self.prefill_policy, gauges=_POLICY_GAUGES)
+        if self.prefill_policy == "delayer":  # the names dashboards used before the policies
+            yield from _decision_families("atom:prefill_delayer", labels, rows, policy=None,
+                                          gauges=_POLICY_GAUGES[:1])
+
+
+def _decision_families(prefix: str, labels: list[str], rows: list[tuple[list[str], dict]], *,
+                       policy: str | None, gauges: tuple[tuple[str, str], ...]):
+    """``{prefix}_decisions`` per reason and the ``gauges``, from the ``prefill_policy_*``
+    stats of each rank; a ``policy`` label unless ``policy`` is None."""
+    extra, extra_values = (["policy"], [policy]) if policy is not None else ([], [])
+    decisions = CounterMetricFamily(f"{prefix}_decisions",
+                                    "Cross-rank prefill decisions per reason (DP only).",
+                                    labels=labels + extra + ["reason"])
+    for values, s in rows:
+        for key, count in s.items():
+            if key.startswith(_DECISIONS_PREFIX):
+                decisions.add_metric(values + extra_values + [key.removeprefix(_DECISIONS_PREFIX)],
+                                     count)
+    yield decisions
+    for name, doc in gauges:
+        family = GaugeMetricFamily(f"{prefix}_{name}", doc, labels=labels + extra)
         for values, s in rows:
-            for reason in _DELAYER_REASONS:
-                if _DELAYER_PREFIX + reason in s:
-                    decisions.add_metric(values + [reason], s[_DELAYER_PREFIX + reason])
-        yield decisions
+            if f"prefill_policy_{name}" in s:
+                family.add_metric(values + extra_values, s[f"prefill_policy_{name}"])
+        yield family
 
 
 class ServerMetrics:
@@ -97,7 +125,7 @@ class ServerMetrics:
     runs on the event loop.
     """
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, *, prefill_policy: str = "none"):
         self.model_name = model_name
         disable_created_metrics()  # no *_created series (process-wide; this is the server)
         self.registry = CollectorRegistry()
@@ -116,7 +144,7 @@ class ServerMetrics:
         self.request_success = Counter("atom:request_success", "Finished requests per reason.",
                                        labelnames=["model_name", "finished_reason"],
                                        registry=self.registry)
-        self._engine = _EngineCollector(model_name)
+        self._engine = _EngineCollector(model_name, prefill_policy)
         self.registry.register(self._engine)
 
     def record_finished(self, out: RequestOutput) -> None:
