@@ -90,6 +90,10 @@ class EngineConfig:
     prefill_decode_interval: int = 0
     """Decode protection: after a tick in which any rank prefilled, hold every prefill for this
     many ticks while some rank has running decodes (composes with any policy); 0 = off."""
+    dp_trace: str | None = None
+    """Folder for the per-tick DP trace: every rank writes one row per tick to
+    dp<rank>.jsonl there (scripts/dp_trace.py turns them into Perfetto JSON and a PNG);
+    None = off."""
     dp_group_timeout_s: float = 600.0
     """Seconds a DP collective (and the rendezvous) may wait for its peers before it fails:
     a rank that never shows up, or stops in the middle of a tick, fails the others after this
@@ -157,7 +161,8 @@ class EngineConfig:
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a fraction in (0, 1]")
         if self.data_parallel_size == 1:
-            for name, off in (("prefill_policy", (None, "none")), ("prefill_decode_interval", (0,))):
+            for name, off in (("prefill_policy", (None, "none")), ("prefill_decode_interval", (0,)),
+                              ("dp_trace", (None,))):
                 if getattr(self, name) not in off:
                     raise ValueError(f"{name}={getattr(self, name)!r} needs data parallelism: "
                                      f"set data_parallel_size > 1 or leave it unset")

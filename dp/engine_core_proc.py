@@ -26,7 +26,8 @@ return before the control sync:
 4. batch-shape exchange (:func:`atom.dp.sync.exchange_batch_shape`);
 5. forward: the real step, or ``EngineCore.execute_dummy_batch`` (a zero-token forward that
    writes no KV) when this rank has nothing to run — the same collectives either way;
-6. send the outputs.
+6. send the outputs; with ``--dp-trace``, queue the tick's trace row
+   (:mod:`atom.dp.dp_trace`; a background thread writes it).
 
 Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
 sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
@@ -66,6 +67,7 @@ from atom.messages import (
 )
 
 if TYPE_CHECKING:
+    from atom.dp.dp_trace import TraceWriter
     from atom.dp.groups import DPGroups
     from atom.dp.prefill_policy import PrefillDecider
     from atom.dp.sync import GatheredBatchShape
@@ -91,16 +93,18 @@ class DPEngineCoreProc(EngineCoreProc):
             elsewhere (other launched ranks), and the parent's exit ends the loop.
         expert_parallel: the model's :class:`~atom.dp.expert_parallel.ExpertParallel`, told
             each step's largest batch after the batch-shape exchange; None without EP.
+        trace: the per-tick trace writer (``--dp-trace``; closed by :meth:`close`); None = off.
     """
 
     def __init__(self, core, prefill: PrefillDecider, groups, *, input_addr: str,
                  output_addr: str, front_end: subprocess.Popen | None = None,
-                 expert_parallel=None):
+                 expert_parallel=None, trace: TraceWriter | None = None):
         super().__init__(core, input_addr=input_addr, output_addr=output_addr,
                          dp_rank=groups.rank_info.dp_rank)
         self.front_end = front_end
         self.expert_parallel = expert_parallel
         self.prefill = prefill
+        self.trace = trace
         self.groups = groups
         self._last_shapes: GatheredBatchShape | None = None  # the previous stepping tick's
         self.wave_id = 0
@@ -160,6 +164,11 @@ class DPEngineCoreProc(EngineCoreProc):
         out.update({f"prefill_policy_{k}": v for k, v in self.prefill.stats().items()})
         return out
 
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+        super().close()
+
     # ----- the loop -----
 
     def run_busy_loop(self) -> None:
@@ -203,11 +212,13 @@ class DPEngineCoreProc(EngineCoreProc):
         from atom.dp.prefill_policy import local_prefill_inputs
         from atom.dp.sync import ControlState, exchange_control
 
+        start_ns = time.perf_counter_ns()
         core = self.core
         inputs = local_prefill_inputs(core.scheduler)
         state = ControlState(has_work=core.has_work(), shutdown=self._shutdown,
                              wave_id=self.wave_id, tick=self.tick, **dataclasses.asdict(inputs))
         gathered = exchange_control(state, self.groups.control)
+        synced_ns = time.perf_counter_ns()
         self.tick += 1
         log = process_collective_log()
         if gathered.all_shutdown():
@@ -222,7 +233,13 @@ class DPEngineCoreProc(EngineCoreProc):
             check_lockstep(log, self.groups.control)
         decision = self.prefill.decide(gathered, self._last_shapes)
         sched = core.schedule(allow_prefill=decision.allow)
-        self._last_shapes = self._step(sched)  # the next tick's previous_shapes
+        shapes = self._last_shapes = self._step(sched)  # the next tick's previous_shapes
+        if self.trace is not None:
+            from atom.dp.dp_trace import tick_row
+
+            self.trace.write(tick_row(dp_rank=self.dp_rank, gathered=gathered, decision=decision,
+                                      shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
+                                      end_ns=time.perf_counter_ns()))
         return False
 
     def _step(self, sched: SchedulerOutput) -> GatheredBatchShape:
@@ -305,9 +322,15 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
                                                     rank=info.dp_rank, world_size=info.dp_size)
         input_addr, output_addr = endpoints(groups)
         prefill = make_prefill_decider(config, dp_rank=info.dp_rank)
+        trace = None
+        if config.dp_trace is not None:
+            from atom.dp.dp_trace import TraceWriter
+
+            trace = TraceWriter(config.dp_trace, dp_rank=info.dp_rank, dp_size=info.dp_size,
+                                policy=prefill.policy.name)
         proc = DPEngineCoreProc(core, prefill, groups, input_addr=input_addr,
                                 output_addr=output_addr, front_end=front_end,
-                                expert_parallel=expert_parallel)
+                                expert_parallel=expert_parallel, trace=trace)
         proc.send_ready()
         proc.run_busy_loop()
     finally:

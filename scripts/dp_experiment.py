@@ -27,7 +27,9 @@ off and on. Each runs the same workload on ``--dp-size`` real EngineCore process
 
 Arrivals are in wall-clock seconds, so step counts move a little between runs (the ticks at
 which a burst lands depend on the machine's speed); the step counters themselves are exact.
-Prints a table and writes JSON (``--output-json``). Wall-clock numbers move with machine load; compare configurations of the
+Every configuration writes its per-tick trace (``--trace-dir``/<configuration>/), its
+Perfetto JSON and its PNG timeline (``scripts/dp_trace.py``). Prints a table and writes JSON
+(``--output-json``). Wall-clock numbers move with machine load; compare configurations of the
 same run, and step counts across runs.
 
     python scripts/dp_experiment.py --output-json results/dp_experiment.json
@@ -42,11 +44,14 @@ import dataclasses
 import json
 import pathlib
 import random
+import re
 import statistics
 import sys
 import time
 
+import dp_trace  # scripts/dp_trace.py, beside this script
 from atom.config import EngineConfig
+from atom.dp.dp_trace import read_trace, to_perfetto
 from atom.entrypoints.llm import build_engine
 from atom.sampling_params import SamplingParams
 
@@ -217,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model (a)), experts sharded over the ranks (expert parallelism), and "
                         "every configuration run with TBO off and on")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", default="results/dp_trace",
+                   help="each configuration's trace, Perfetto JSON and PNG go in a folder here")
     p.add_argument("--output-json", default="results/dp_experiment.json")
     return p.parse_args(argv)
 
@@ -237,14 +244,24 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict]]:
             for name, options in policies for tbo in (False, True)]
 
 
+def write_trace_views(folder: pathlib.Path, name: str) -> None:
+    """The configuration's Perfetto JSON and PNG timeline, beside its trace rows."""
+    traces = read_trace(folder)
+    (folder / "perfetto.json").write_text(json.dumps(to_perfetto(traces)))
+    dp_trace.plot(traces, folder / "timeline.png", title=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload = make_workload(args)
     results = []
     for name, options in configurations(args):
-        config = EngineConfig.from_kwargs(**options)
+        folder = pathlib.Path(args.trace_dir) / re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+        config = EngineConfig.from_kwargs(**options, dp_trace=str(folder))
         print(f"running: {name} ...", file=sys.stderr, flush=True)
         results.append(run_config(name, config, workload))
+        write_trace_views(folder, name)
+        results[-1]["trace"] = str(folder)
     print_table(results)
     out = pathlib.Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)

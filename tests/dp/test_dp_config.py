@@ -26,7 +26,7 @@ def test_dp_flags():
                      "--prefill-coalescer-stall-ticks", "2",
                      "--prefill-coalescer-kv-high-watermark", "0.8",
                      "--prefill-coalescer-max-queue-ticks", "100",
-                     "--prefill-decode-interval", "2"])
+                     "--prefill-decode-interval", "2", "--dp-trace", "/tmp/trace"])
     assert (config.data_parallel_size, config.dp_load_balance, config.prefill_policy,
             config.prefill_delayer_max_delay_passes, config.prefill_delayer_kv_low_watermark) == (
         2, "round_robin", "coalescer", 7, 0.25)
@@ -34,10 +34,10 @@ def test_dp_flags():
             config.prefill_coalescer_partial_max_ticks, config.prefill_coalescer_stall_ticks,
             config.prefill_coalescer_kv_high_watermark,
             config.prefill_coalescer_max_queue_ticks) == (0.5, 40, 4, 2, 0.8, 100)
-    assert config.prefill_decode_interval == 2
+    assert (config.prefill_decode_interval, config.dp_trace) == (2, "/tmp/trace")
     default = _parse([])
-    assert (default.prefill_policy, default.prefill_decode_interval,
-            default.prefill_coalescer_max_queue_ticks) == (None, 0, None)
+    assert (default.prefill_policy, default.prefill_decode_interval, default.dp_trace,
+            default.prefill_coalescer_max_queue_ticks) == (None, 0, None, None)
 
 
 def test_policy_default_follows_dp_size():
@@ -72,7 +72,7 @@ def test_validation(bad):
 
 
 @pytest.mark.parametrize("option", [dict(prefill_policy="delayer"),
-                                    dict(prefill_decode_interval=2)])
+                                    dict(prefill_decode_interval=2), dict(dp_trace="/tmp/t")])
 def test_prefill_settings_need_data_parallelism(option):
     with pytest.raises(ValueError, match="needs data parallelism"):
         EngineConfig(**option)

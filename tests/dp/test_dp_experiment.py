@@ -1,7 +1,7 @@
 """``scripts/dp_experiment.py`` end to end on a small workload with the MoE model (experts
 sharded over 2 real ranks): every configuration (policy none / coalescer × TBO off / on)
-completes and its counters are consistent (the numbers themselves are the script's output,
-not asserted)."""
+completes, its counters are consistent, and it leaves its trace, Perfetto JSON and PNG (the
+numbers themselves are the script's output, not asserted)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def test_dp_experiment_small_run(tmp_path):
          "--pressure-max-tokens", "8", "--num-bursts", "2", "--burst-size", "2",
          "--burst-interval-s", "0.2", "--short-max-tokens", "2", "4", "--num-kv-blocks", "16",
          "--prefill-policy", "none", "coalescer", "--prefill-decode-interval", "0",
-         "--moe-split-experts", "4", "--output-json", str(out)],
+         "--moe-split-experts", "4", "--trace-dir", str(tmp_path / "trace"),
+         "--output-json", str(out)],
         capture_output=True, text=True, timeout=900)  # liveness only
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mixed-step fraction" in proc.stdout
@@ -40,6 +41,9 @@ def test_dp_experiment_small_run(tmp_path):
         per_reason = [v for k, v in stats.items() if k.startswith("decisions_")]
         assert sum(per_reason) == stats["num_decisions"] == r["num_steps"]
         assert r["max_consecutive_holds"] <= 30  # the coalescer's ttft_max_ticks default
+        trace = pathlib.Path(r["trace"])
+        assert {p.name for p in trace.iterdir()} == {"dp0.jsonl", "dp1.jsonl", "perfetto.json",
+                                                    "timeline.png"}
     for r in results[:2]:
         assert r["prefill_policy_stats"]["decisions_disabled"] == r["num_steps"]
         assert r["hold_rate"] == 0.0
