@@ -17,6 +17,12 @@ DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
 # where the ranks publish KV events when cache_aware routing needs them and no endpoint is set:
 # loopback, OS-chosen ports (each rank reports its bound endpoints in its ready message)
 PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
+PREFILL_POLICIES = ("delayer", "coalescer", "none")
+# options that were replaced: the old name fails with a message that says what to use
+_REPLACED_OPTIONS = {
+    "prefill_delayer": "use prefill_policy='delayer' or 'none' "
+                       "(--prefill-policy delayer|none)",
+}
 
 
 @dataclass(frozen=True)
@@ -70,13 +76,41 @@ class EngineConfig:
     """cache_aware: a rank's cached prefix counts as a hit only when it covers at least this
     fraction of the prompt's full blocks (a shared system prompt alone does not pull every
     request to the rank that saw it first; SGLang's cache_threshold)."""
-    prefill_delayer: bool | None = None
-    """Hold prefills until the ranks can prefill together (cross-rank prefill alignment);
-    None = on when data_parallel_size > 1."""
+    prefill_policy: str | None = None
+    """Cross-rank prefill policy (data parallelism): delayer (hold prefills while only some of
+    the ranks with pending prefill work can admit one), coalescer (also hold until the
+    admittable prompt tokens summed over the ranks fill a worthwhile step) or none; None =
+    delayer when data_parallel_size > 1."""
     prefill_delayer_max_delay_passes: int = 30
-    """Most consecutive ticks a prefill hold may last before prefills are allowed."""
+    """Delayer: most consecutive ticks a prefill hold may last before prefills are allowed."""
     prefill_delayer_kv_low_watermark: float | None = None
-    """KV usage fraction in (0, 1): a ready rank below it releases a hold; None = off."""
+    """Delayer: KV usage fraction in (0, 1): a ready rank below it releases a hold; None = off."""
+    prefill_coalescer_target_fill: float = 0.7
+    """Coalescer: fire once the admittable prefill tokens summed over the ranks reach this
+    fraction of (token budget x ranks with pending prefill work); in (0, 1] (ATOM #1611's
+    default)."""
+    prefill_coalescer_ttft_max_ticks: int = 30
+    """Coalescer: most consecutive ticks any hold lasts (every request it holds has waited that
+    long for it), then fire."""
+    prefill_coalescer_partial_max_ticks: int = 8
+    """Coalescer: most consecutive held ticks while some rank has a partial prefill (it holds
+    KV blocks while it waits)."""
+    prefill_coalescer_stall_ticks: int = 3
+    """Coalescer: give up holding for fill after this many ticks without growth in the summed
+    prefill tokens."""
+    prefill_coalescer_kv_high_watermark: float = 0.9
+    """Coalescer: fire when a ready rank's KV usage fraction reaches this (waiting cannot grow
+    the batch when the pool is nearly full); in (0, 1]."""
+    prefill_coalescer_max_queue_ticks: int | None = None
+    """Coalescer: also fire once a ready rank's oldest waiting request has been queued this many
+    ticks, backlog included (a latency guard: under a backlog it fires every tick); None = off."""
+    prefill_decode_interval: int = 0
+    """Decode protection: after a tick in which any rank prefilled, hold every prefill for this
+    many ticks while some rank has running decodes (composes with any policy); 0 = off."""
+    dp_trace: str | None = None
+    """Folder for the per-tick DP trace: every rank writes one row per tick to
+    dp<rank>.jsonl there (scripts/dp_trace.py turns them into Perfetto JSON and a PNG);
+    None = off."""
     kv_events_endpoint: str | None = None
     """Publish KV cache events (vLLM 0.32's wire) on this ZMQ PUB endpoint, the TCP port offset
     by DP rank (tcp://127.0.0.1:5557; tcp://*:5557 to leave the host; port 0 = OS-chosen);
@@ -126,20 +160,46 @@ class EngineConfig:
         if self.dp_load_balance not in DP_LOAD_BALANCE_POLICIES:
             raise ValueError(f"dp_load_balance={self.dp_load_balance!r} is not supported: use one "
                              f"of {DP_LOAD_BALANCE_POLICIES}")
-        passes = self.prefill_delayer_max_delay_passes
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"prefill_delayer_max_delay_passes={passes!r} must be an integer "
-                             f">= 1 (or turn the delayer off with --no-prefill-delayer)")
         self._check_routing()
         self.resolved_kv_events()  # builds (so validates) the publisher settings
         if not self.dp_group_timeout_s > 0:
             raise ValueError(f"dp_group_timeout_s={self.dp_group_timeout_s} must be > 0 (seconds)")
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
+        self._check_prefill_policy()
+
+    def _check_prefill_policy(self) -> None:
+        """The prefill policy settings (``__post_init__``). Raises ValueError."""
+        if self.prefill_policy is not None and self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy={self.prefill_policy!r} is not supported: use one of "
+                             f"{PREFILL_POLICIES}")
+        for name in ("prefill_delayer_max_delay_passes", "prefill_coalescer_ttft_max_ticks",
+                     "prefill_coalescer_partial_max_ticks", "prefill_coalescer_stall_ticks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 (ticks): a bound of "
+                                 f"0 would never hold")
+        age = self.prefill_coalescer_max_queue_ticks
+        if age is not None and (isinstance(age, bool) or not isinstance(age, int) or age < 1):
+            raise ValueError(f"prefill_coalescer_max_queue_ticks={age!r} must be an integer >= 1 "
+                             f"(ticks) or None (off)")
+        interval = self.prefill_decode_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"prefill_decode_interval={interval!r} must be an integer >= 0 "
+                             f"(ticks; 0 = off)")
         wm = self.prefill_delayer_kv_low_watermark
         if wm is not None and not 0.0 < wm < 1.0:
             raise ValueError(f"prefill_delayer_kv_low_watermark={wm} must be a fraction in (0, 1) "
                              f"(or None: off)")
+        for name in ("prefill_coalescer_target_fill", "prefill_coalescer_kv_high_watermark"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a fraction in (0, 1]")
+        if self.data_parallel_size == 1:
+            for name, off in (("prefill_policy", (None, "none")), ("prefill_decode_interval", (0,)),
+                              ("dp_trace", (None,))):
+                if getattr(self, name) not in off:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs data parallelism: "
+                                     f"set data_parallel_size > 1 or leave it unset")
 
     def _check_routing(self) -> None:
         if self.dp_load_guard_abs_threshold < 0:
@@ -181,13 +241,20 @@ class EngineConfig:
                               max_queue_size=self.kv_events_max_queue_size,
                               hwm=self.kv_events_hwm)
 
-    def resolved_prefill_delayer(self) -> bool:
-        """Whether the PrefillDelayer holds prefills (None = on when data_parallel_size > 1)."""
-        return self.data_parallel_size > 1 if self.prefill_delayer is None else self.prefill_delayer
+    def resolved_prefill_policy(self) -> str:
+        """The prefill policy this config runs ("delayer", "coalescer" or "none"; None =
+        delayer when data_parallel_size > 1, else none)."""
+        if self.prefill_policy is not None:
+            return self.prefill_policy
+        return "delayer" if self.data_parallel_size > 1 else "none"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from keyword options; unknown keys raise ``TypeError`` listing the valid ones."""
+        replaced = sorted(set(kwargs) & set(_REPLACED_OPTIONS))
+        if replaced:
+            raise TypeError(f"engine option {replaced[0]!r} was replaced: "
+                            f"{_REPLACED_OPTIONS[replaced[0]]}")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - valid)
         if unknown:
@@ -268,6 +335,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = {"int": int, "int | None": int, "str": str, "str | None": str,
                     "float": float, "float | None": float}.get(str(f.type), str)
             parser.add_argument(flag, default=default, type=kind, help=docs.get(f.name))
+    for name, hint in _REPLACED_OPTIONS.items():
+        flag = name.replace("_", "-")
+        parser.add_argument(f"--{flag}", f"--no-{flag}", action=_ReplacedFlag, hint=hint)
+
+
+class _ReplacedFlag(argparse.Action):
+    """A flag that was replaced: using it is a usage error that names the replacement."""
+
+    def __init__(self, option_strings, dest, *, hint: str, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was replaced: {self.hint}")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

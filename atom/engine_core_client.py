@@ -81,13 +81,13 @@ POLL_SLICE_S = 0.1  # how often a wait checks that the core processes are alive
 SHUTDOWN_GRACE_S = 5.0  # after Shutdown, before SIGTERM; and after SIGTERM, before SIGKILL
 _STDERR_TAIL_LINES = 40
 
-# get_stats keys that are not summed across ranks by call_utility (the merged view takes the max)
-# (the KV pool's sizes are summed: free and total blocks of the whole deployment)
+# get_stats keys that are not summed across ranks by call_utility (the merged view takes the
+# max): per-rank positions and the group's own counters, which every rank holds a copy of (the
+# KV pool's sizes are summed: free and total blocks of the whole deployment)
 _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "collective_hash",
-                         "idle", "prefill_delayer_hold_rate",
-                         "prefill_delayer_max_consecutive_holds", "num_waves_completed",
-                         "num_steps", "num_prefill_steps", "num_mixed_prefill_steps",
-                         "num_tbo_steps"))
+                         "idle", "num_waves_completed", "num_steps", "num_prefill_steps",
+                         "num_mixed_prefill_steps", "num_tbo_steps"))
+_NOT_SUMMED_PREFIXES = ("prefill_policy_",)  # the prefill decisions: identical on every rank
 
 
 def merge_rank_results(results: list[dict]) -> dict:
@@ -99,7 +99,8 @@ def merge_rank_results(results: list[dict]) -> dict:
         for key, value in result.items():
             if key not in merged:
                 merged[key] = value
-            elif isinstance(value, bool) or key in _NOT_SUMMED:
+            elif (isinstance(value, bool) or key in _NOT_SUMMED
+                  or key.startswith(_NOT_SUMMED_PREFIXES)):
                 merged[key] = max(merged[key], value)
             else:
                 merged[key] += value
@@ -182,7 +183,7 @@ class EngineCoreClient:
 
     def get_rank_stats(self) -> list[dict]:
         """Each rank's ``get_stats`` (DP ranks add tick, wave, collective count and hash,
-        PrefillDelayer counters; the DP client adds its router's counters for the rank)."""
+        prefill policy counters; the DP client adds its router's counters for the rank)."""
         return self.call_utility_per_rank("get_stats")
 
     def front_end_stats(self) -> dict:

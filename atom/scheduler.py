@@ -10,9 +10,11 @@ freed and it returns to the front of the waiting queue keeping its output tokens
 
 The scheduler alone mutates sequence state. It imports no torch. ``schedule(allow_prefill=False)``
 holds all prefill work (admissions and partial-prefill chunks) for one step: the cross-rank
-decision (the PrefillDelayer in ``atom.dp``) arrives as that plain value. ``num_admittable`` is a
-side-effect-free dry run of the same admission function, which the PrefillDelayer gathers across
-ranks (lineage: SGLang #14201, ATOM #930).
+decision (the prefill policy in ``atom.dp``) arrives as that plain value. :meth:`Scheduler.preview_admission`
+is a side-effect-free dry run of the same admission function: how many prefills the next step
+would start or continue and how many prompt tokens they would compute, which the prefill
+policies gather across ranks (lineage: SGLang #14201, ATOM #930; tokens after prefix-cache hits
+and within the token budget: ATOM #2196).
 """
 
 from __future__ import annotations
@@ -37,6 +39,20 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+@dataclass(frozen=True)
+class AdmissionPreview:
+    """What ``schedule(allow_prefill=True)`` would start or continue now (a dry run's result).
+
+    Attributes:
+        num_prefills: prefills it would schedule (admissions plus partial-prefill chunks).
+        num_prefill_tokens: prompt tokens those prefills would compute this step (after
+            prefix-cache hits, within the token budget left by the running decodes).
+    """
+
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch: ``scheduled`` holds (sequence, tokens to compute this step)."""
@@ -52,6 +68,11 @@ class SchedulerOutput:
     @property
     def num_prefill_seqs(self) -> int:
         return sum(1 for seq, _ in self.scheduled if seq.is_prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed for prefills (prompt chunks, recomputation) this step."""
+        return sum(n for seq, n in self.scheduled if seq.is_prefill)
 
     @property
     def is_empty(self) -> bool:
@@ -75,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of waiting ages (never wall time)
 
     # ----- queue entry and exit -----
 
@@ -89,6 +111,7 @@ class Scheduler:
             self._finish(seq, FinishReason.ERROR, error_message=reason)
             return False
         seq.status = SequenceStatus.WAITING
+        seq.waiting_since_step = self.num_steps
         self.waiting.append(seq)
         return True
 
@@ -142,52 +165,74 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_pending_prefill(self) -> bool:
-        """Waiting sequences or partial prefills exist (work the PrefillDelayer may align)."""
-        return bool(self.waiting) or any(seq.is_prefill for seq in self.running)
+        """Waiting sequences or partial prefills exist (work a prefill policy may align)."""
+        return bool(self.waiting) or self.has_partial_prefill()
 
-    def num_admittable(self, cap: int) -> int:
-        """Prefills this rank could start or continue right now, at most ``cap``; no side effects.
+    def num_running_decodes(self) -> int:
+        """Running sequences past their prompt (each computes one token a step)."""
+        return sum(1 for seq in self.running if not seq.is_prefill)
+
+    def has_partial_prefill(self) -> bool:
+        """A running sequence is part way through its prompt (a chunked prefill)."""
+        return any(seq.is_prefill for seq in self.running)
+
+    def oldest_waiting_age_steps(self) -> int:
+        """Steps (``schedule()`` calls) the longest-waiting sequence has spent in the waiting
+        queue since it last entered it (arrival or preemption); 0 when none waits."""
+        if not self.waiting:
+            return 0
+        return self.num_steps - min(seq.waiting_since_step for seq in self.waiting)
+
+    def preview_admission(self) -> AdmissionPreview:
+        """The prefills ``schedule(allow_prefill=True)`` would start or continue now, and their
+        tokens; no side effects.
 
         Runs the admission rule of ``schedule()`` (same budgets, same block costs, same stop at
         the first sequence that does not fit) on copies of the counters. Partial prefills that
-        would get a chunk count too. Blocks the step would hand out (decode growth, earlier
-        admissions: revived prefix blocks, evictions) are tracked as :class:`DryRunClaims`, and
-        choices admitted earlier in the dry run hold back their siblings, as in ``schedule()``.
-        A decode that would have to preempt ends the dry run: ``schedule()`` admits nothing in a
-        step that preempts (partial prefills behind that decode are not counted).
+        would get a chunk count too, with the chunk's tokens. Blocks the step would hand out
+        (decode growth, earlier admissions: revived prefix blocks, evictions) are tracked as
+        :class:`DryRunClaims`, and choices admitted earlier in the dry run hold back their
+        siblings, as in ``schedule()``. A decode that would have to preempt ends the dry run:
+        ``schedule()`` admits nothing in a step that preempts (partial prefills behind that
+        decode are not counted). Tokens are what the step would compute: prefix-cache hits
+        excluded, chunks cut to the budget left (ATOM #2196: a fill signal built from raw
+        prompt lengths never matched what the step then ran).
         """
         bm = self.block_manager
         claims = DryRunClaims()
         token_budget = self.config.max_num_batched_tokens
-        count = 0
+        count = num_tokens = 0
         for seq in self.running:
             if token_budget <= 0:
                 break
             if seq.is_prefill:
+                num_new = min(seq.num_uncomputed_tokens, token_budget)
                 count += 1
-                token_budget -= min(seq.num_uncomputed_tokens, token_budget)
+                num_tokens += num_new
+                token_budget -= num_new
                 continue
             num_new_blocks = bm.num_required_blocks(len(seq.token_ids)) - len(seq.block_table)
             if num_new_blocks > bm.num_unclaimed_free_blocks(claims):
-                return min(count, cap)
+                return AdmissionPreview(count, num_tokens)
             bm.claim_new_blocks(num_new_blocks, claims)
             token_budget -= 1
         prefilling = self._prefilling()
         num_seqs = len(self.running)
         for seq in self.waiting:
-            if count >= cap or token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
+            if token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
                 break
             decision = self._admission(seq, token_budget, claims=claims, prefilling=prefilling)
             if decision is None:
                 break
-            num_cached, num_new_tokens = decision
+            num_cached, num_new = decision
             bm.claim(seq, claims)
             if num_cached < max(seq.num_prompt_tokens, len(seq.token_ids) - 1):  # as is_prefill
                 prefilling[seq.request_id] = min(prefilling.get(seq.request_id, num_cached), num_cached)
-            token_budget -= num_new_tokens
-            num_seqs += 1
             count += 1
-        return min(count, cap)
+            num_tokens += num_new
+            token_budget -= num_new
+            num_seqs += 1
+        return AdmissionPreview(count, num_tokens)
 
     def _admission(self, seq: Sequence, token_budget: int, *, claims: DryRunClaims | None = None,
                    prefilling: dict[str, int] | None = None) -> tuple[int, int] | None:
@@ -196,7 +241,7 @@ class Scheduler:
         Choices of an ``n > 1`` request wait while an earlier choice in prefill has not yet
         computed the prompt's full blocks, so they find them in the prefix cache instead of
         computing them again. ``claims`` and ``prefilling`` (see :meth:`_prefilling`) carry the
-        state of ``num_admittable``'s dry run; by default the live state is used.
+        state of ``preview_admission``'s dry run; by default the live state is used.
         """
         bm = self.block_manager
         if seq.index > 0:
@@ -235,6 +280,7 @@ class Scheduler:
             allow_prefill: False holds every prefill (admissions and partial-prefill chunks)
                 for this step; decodes still run. The DP loop passes the cross-rank decision.
         """
+        self.num_steps += 1
         out = SchedulerOutput()
         token_budget = self.config.max_num_batched_tokens
         i = 0
@@ -283,6 +329,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.waiting_since_step = self.num_steps
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         logger.debug("preempted seq %d (%d tokens)", seq.seq_id, len(seq.token_ids))

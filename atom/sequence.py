@@ -65,6 +65,9 @@ class Sequence:
     # number of prompt tokens whose KV came from the prefix cache at the last admission
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # the scheduler's step count when this sequence last entered the waiting queue (arrival or
+    # preemption): waiting ages are counted in steps, never in wall time
+    waiting_since_step: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error_message: str | None = None

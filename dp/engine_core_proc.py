@@ -14,17 +14,20 @@ Per tick, on every rank, in this order (docs/ARCHITECTURE.md, "The DP tick"), wi
 return before the control sync:
 
 1. drain the input socket without blocking;
-2. control sync (:func:`atom.dp.sync.exchange_control`): work, shutdown, the PrefillDelayer's
-   inputs, wave id, tick. Every rank asked to shut down → all run the lockstep check and exit
-   together. No rank has work → the wave ends: every rank increments its wave counter, rank 0
-   reports ``wave_complete`` to the front end, and every rank goes idle (blocks on its input
-   socket: no collectives, no spinning);
-3. ``decision = PrefillDelayer.decide(gathered)``, then
+2. control sync (:func:`atom.dp.sync.exchange_control`): work, shutdown, the prefill
+   policy's inputs (:func:`atom.dp.prefill_policy.local_prefill_inputs`), wave id, tick. Every
+   rank asked to shut down → all run the lockstep check and exit together. No rank has work →
+   the wave ends: every rank increments its wave counter, rank 0 reports ``wave_complete`` to
+   the front end, and every rank goes idle (blocks on its input socket: no collectives, no
+   spinning);
+3. ``decision = PrefillDecider.decide(gathered, previous_shapes)`` (the policy and the
+   decode-protection interval, from gathered values only), then
    ``EngineCore.schedule(allow_prefill=decision.allow)``: the decision travels as a value;
 4. batch-shape exchange (:func:`atom.dp.sync.exchange_batch_shape`);
 5. forward: the real step, or ``EngineCore.execute_dummy_batch`` (a zero-token forward that
    writes no KV) when this rank has nothing to run — the same collectives either way;
-6. send the outputs.
+6. send the outputs; with ``--dp-trace``, queue the tick's trace row
+   (:mod:`atom.dp.dp_trace`; a background thread writes it).
 
 Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
 sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
@@ -41,6 +44,7 @@ first tick and no empty wave is run.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -63,7 +67,11 @@ from atom.messages import (
 )
 
 if TYPE_CHECKING:
+    from atom.dp.dp_trace import TraceWriter
     from atom.dp.groups import DPGroups
+    from atom.dp.prefill_policy import PrefillDecider
+    from atom.dp.sync import GatheredBatchShape
+    from atom.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +84,8 @@ class DPEngineCoreProc(EngineCoreProc):
 
     Args:
         core: the loaded engine core.
-        delayer: this rank's PrefillDelayer (its decision is passed to ``core.schedule``).
+        prefill: this rank's :class:`~atom.dp.prefill_policy.PrefillDecider` (its decision is
+            passed to ``core.schedule``).
         groups: the process groups (control and device).
         input_addr, output_addr: the front end's ZMQ endpoints.
         front_end: the front end, when this rank started it as its child (rank 0 under a
@@ -84,16 +93,20 @@ class DPEngineCoreProc(EngineCoreProc):
             elsewhere (other launched ranks), and the parent's exit ends the loop.
         expert_parallel: the model's :class:`~atom.dp.expert_parallel.ExpertParallel`, told
             each step's largest batch after the batch-shape exchange; None without EP.
+        trace: the per-tick trace writer (``--dp-trace``; closed by :meth:`close`); None = off.
     """
 
-    def __init__(self, core, delayer, groups, *, input_addr: str, output_addr: str,
-                 front_end: subprocess.Popen | None = None, expert_parallel=None):
+    def __init__(self, core, prefill: PrefillDecider, groups, *, input_addr: str,
+                 output_addr: str, front_end: subprocess.Popen | None = None,
+                 expert_parallel=None, trace: TraceWriter | None = None):
         super().__init__(core, input_addr=input_addr, output_addr=output_addr,
                          dp_rank=groups.rank_info.dp_rank)
         self.front_end = front_end
         self.expert_parallel = expert_parallel
-        self.delayer = delayer
+        self.prefill = prefill
+        self.trace = trace
         self.groups = groups
+        self._last_shapes: GatheredBatchShape | None = None  # the previous stepping tick's
         self.wave_id = 0
         self.tick = 0
         self.idle = True  # ranks start idle, in wave 0
@@ -133,7 +146,9 @@ class DPEngineCoreProc(EngineCoreProc):
         return result
 
     def dp_stats(self) -> dict[str, int | float]:
-        """Loop counters, the collective log and the PrefillDelayer's counters."""
+        """Loop counters, the collective log and the prefill policy's counters
+        (``prefill_policy_*``: decisions per reason, summing to ``prefill_policy_num_decisions``;
+        identical on every rank)."""
         from atom.dp.collectives import process_collective_log
 
         log = process_collective_log()
@@ -146,8 +161,13 @@ class DPEngineCoreProc(EngineCoreProc):
             "num_tbo_steps": self.num_tbo_steps,
             "num_waves_completed": self.num_waves_completed,
             "collective_count": log.num_collectives, "collective_hash": log.hash_int64}
-        out.update({f"prefill_delayer_{k}": v for k, v in self.delayer.stats().items()})
+        out.update({f"prefill_policy_{k}": v for k, v in self.prefill.stats().items()})
         return out
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+        super().close()
 
     # ----- the loop -----
 
@@ -189,15 +209,16 @@ class DPEngineCoreProc(EngineCoreProc):
     def _tick(self) -> bool:
         """One tick (module docstring); True when the ranks stop together."""
         from atom.dp.collectives import check_lockstep, process_collective_log
-        from atom.dp.sync import BatchShape, ControlState, exchange_batch_shape, exchange_control
+        from atom.dp.prefill_policy import local_prefill_inputs
+        from atom.dp.sync import ControlState, exchange_control
 
+        start_ns = time.perf_counter_ns()
         core = self.core
-        inputs = self.delayer.local_inputs(core.scheduler)
-        state = ControlState(
-            has_work=core.has_work(), shutdown=self._shutdown,
-            num_admittable=inputs.num_admittable, has_pending_prefill=inputs.has_pending_prefill,
-            kv_usage_ppm=inputs.kv_usage_ppm, wave_id=self.wave_id, tick=self.tick)
+        inputs = local_prefill_inputs(core.scheduler)
+        state = ControlState(has_work=core.has_work(), shutdown=self._shutdown,
+                             wave_id=self.wave_id, tick=self.tick, **dataclasses.asdict(inputs))
         gathered = exchange_control(state, self.groups.control)
+        synced_ns = time.perf_counter_ns()
         self.tick += 1
         log = process_collective_log()
         if gathered.all_shutdown():
@@ -210,13 +231,29 @@ class DPEngineCoreProc(EngineCoreProc):
             return False
         if self.tick % LOCKSTEP_CHECK_EVERY == 0:
             check_lockstep(log, self.groups.control)
-        decision = self.delayer.decide(gathered)
+        decision = self.prefill.decide(gathered, self._last_shapes)
         sched = core.schedule(allow_prefill=decision.allow)
+        shapes = self._last_shapes = self._step(sched)  # the next tick's previous_shapes
+        if self.trace is not None:
+            from atom.dp.dp_trace import tick_row
+
+            self.trace.write(tick_row(dp_rank=self.dp_rank, gathered=gathered, decision=decision,
+                                      shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
+                                      end_ns=time.perf_counter_ns()))
+        return False
+
+    def _step(self, sched: SchedulerOutput) -> GatheredBatchShape:
+        """Steps 4-6 of the tick: the batch-shape exchange, the forward (a dummy batch when
+        this rank has nothing to run), the outputs; returns the gathered batch shapes."""
+        from atom.dp.sync import BatchShape, exchange_batch_shape
+
+        core = self.core
         is_dummy = sched.is_empty
         shapes = exchange_batch_shape(BatchShape(
             num_tokens=sched.num_batched_tokens, num_seqs=len(sched.scheduled),
             is_dummy=is_dummy, tbo_eligible=core.tbo_eligible(sched),
-            has_prefill=sched.num_prefill_seqs > 0), self.groups.device)
+            has_prefill=sched.num_prefill_seqs > 0, num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_seqs=len(sched.scheduled) - sched.num_prefill_seqs), self.groups.device)
         tbo = shapes.tbo_agreed
         if self.expert_parallel is not None:
             self.expert_parallel.begin_step(shapes.max_num_tokens)
@@ -230,7 +267,7 @@ class DPEngineCoreProc(EngineCoreProc):
         else:
             self.num_real_steps += 1
         self.send_outputs(core.execute(sched, two_batch_overlap=tbo))
-        return False
+        return shapes
 
     def _end_wave(self) -> None:
         """No rank has work: all ranks end the wave together and go idle."""
@@ -238,6 +275,8 @@ class DPEngineCoreProc(EngineCoreProc):
         self.wave_id += 1
         self.num_waves_completed += 1
         self.idle = True
+        self.prefill.end_wave()
+        self._last_shapes = None
         if self.dp_rank == 0:
             self._output.send(encode(EngineCoreOutputs(
                 dp_rank=0, outputs=[], timestamp_s=time.monotonic(), wave_complete=completed)))
@@ -264,7 +303,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         arrives as ``ShutdownRequested`` once the handler is installed.
     """
     from atom.dp.groups import RankInfo, init_process_groups
-    from atom.dp.prefill_delayer import PrefillDelayer
+    from atom.dp.prefill_policy import make_prefill_decider
     from atom.engine_core import EngineCore
 
     info = RankInfo.from_env()
@@ -282,10 +321,16 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
             expert_parallel = apply_expert_parallel(core.runner.model, groups.device,
                                                     rank=info.dp_rank, world_size=info.dp_size)
         input_addr, output_addr = endpoints(groups)
-        delayer = PrefillDelayer(config, dp_rank=info.dp_rank)
-        proc = DPEngineCoreProc(core, delayer, groups, input_addr=input_addr,
+        prefill = make_prefill_decider(config, dp_rank=info.dp_rank)
+        trace = None
+        if config.dp_trace is not None:
+            from atom.dp.dp_trace import TraceWriter
+
+            trace = TraceWriter(config.dp_trace, dp_rank=info.dp_rank, dp_size=info.dp_size,
+                                policy=prefill.policy.name)
+        proc = DPEngineCoreProc(core, prefill, groups, input_addr=input_addr,
                                 output_addr=output_addr, front_end=front_end,
-                                expert_parallel=expert_parallel)
+                                expert_parallel=expert_parallel, trace=trace)
         proc.send_ready()
         proc.run_busy_loop()
     finally:

@@ -38,8 +38,8 @@ from atom.dp.collectives import (
 )
 from atom.dp.collective_log import format_histories
 
-CONTROL_MAGIC = int.from_bytes(b"ATOMCTL1", "big")
-BATCH_SHAPE_MAGIC = int.from_bytes(b"ATOMBSH1", "big")
+CONTROL_MAGIC = int.from_bytes(b"ATOMCTL2", "big")
+BATCH_SHAPE_MAGIC = int.from_bytes(b"ATOMBSH2", "big")
 KV_USAGE_PPM_MAX = 1_000_000  # kv_usage is sent in parts per million (an int64 vector)
 
 
@@ -54,13 +54,25 @@ def kv_usage_to_ppm(kv_usage: float) -> int:
 class ControlState:
     """What one rank tells the others at the start of a tick (all integers or flags).
 
+    The prefill fields are the inputs of every prefill policy (:mod:`atom.dp.prefill_policy`),
+    all computed before scheduling from the rank's scheduler, so one gather serves whichever
+    policy the deployment runs.
+
     Attributes:
         has_work: the rank has unfinished requests (waiting or running).
         shutdown: the rank was asked to shut down.
-        num_admittable: prefills it could start or continue now (admission dry run), capped.
+        num_admittable: prefills it could start or continue now (the scheduler's admission
+            dry run, ``Scheduler.preview_admission``).
         has_pending_prefill: waiting or partial-prefill work exists.
-        kv_usage_ppm: KV blocks in use, parts per million of the pool (the delayer's
-            watermark valve compares it with the deployment's watermark).
+        kv_usage_ppm: KV blocks in use, parts per million of the pool (the delayer's low and
+            the coalescer's high watermark compare it with the deployment's).
+        num_prefill_tokens: tokens those admittable prefills would compute this step (after
+            prefix-cache hits, within the token budget left by the decodes): the coalescer's
+            fill signal.
+        num_running_decodes: running sequences past their prompt.
+        has_partial_prefill: a running sequence is part way through its prompt.
+        oldest_waiting_age_ticks: ticks the longest-waiting sequence has been in the waiting
+            queue (the scheduler steps once per stepping tick); 0 when none waits.
         wave_id: the wave this rank is stepping in (DESIGN.md, "Idle and waves").
         tick: ticks this rank has run (identical on every rank while in step).
         collective_count, collective_hash: the collective log before this sync (the hash as
@@ -72,14 +84,19 @@ class ControlState:
     num_admittable: int = 0
     has_pending_prefill: bool = False
     kv_usage_ppm: int = 0
+    num_prefill_tokens: int = 0
+    num_running_decodes: int = 0
+    has_partial_prefill: bool = False
+    oldest_waiting_age_ticks: int = 0
     wave_id: int = 0
     tick: int = 0
     collective_count: int = 0
     collective_hash: int = 0
 
     def __post_init__(self):
-        if self.num_admittable < 0 or self.wave_id < 0 or self.tick < 0:
-            raise ValueError(f"num_admittable, wave_id and tick must be >= 0: {self}")
+        negative = [f for f in _CONTROL_COUNTS if getattr(self, f) < 0]
+        if negative:
+            raise ValueError(f"{', '.join(negative)} must be >= 0: {self}")
         if not 0 <= self.kv_usage_ppm <= KV_USAGE_PPM_MAX:
             raise ValueError(f"kv_usage_ppm={self.kv_usage_ppm} is outside [0, {KV_USAGE_PPM_MAX}]")
 
@@ -97,7 +114,10 @@ class ControlState:
 
 
 _CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(ControlState))
-_CONTROL_FLAGS = frozenset(("has_work", "shutdown", "has_pending_prefill"))
+_CONTROL_FLAGS = frozenset(f.name for f in dataclasses.fields(ControlState) if f.type == "bool")
+# counts that cannot be negative (the hash is any int64)
+_CONTROL_COUNTS = tuple(f for f in _CONTROL_FIELDS if f not in _CONTROL_FLAGS
+                        and f != "collective_hash")
 CONTROL_VECTOR_LEN = 1 + len(_CONTROL_FIELDS)
 
 
@@ -107,6 +127,19 @@ def _checked_row(vec, length: int, magic: int, what: str) -> np.ndarray:
         raise ValueError(f"not a {what} vector (expected int64 [{length}] starting with "
                          f"0x{magic:016x}): {row.tolist()}")
     return row
+
+
+def _columns(matrix, magic: int, what: str, names: tuple[str, ...],
+             flags: frozenset[str]) -> dict[str, np.ndarray]:
+    """A gathered int64 [world_size, 1 + len(names)] matrix as one array per field (flags as
+    bool). Raises ValueError when a row is not a ``what`` vector (wrong length or magic)."""
+    rows = np.asarray(matrix, dtype=np.int64)
+    if rows.ndim != 2:
+        raise ValueError(f"expected [world_size, {1 + len(names)}], got {rows.shape}")
+    for row in rows:
+        _checked_row(row, 1 + len(names), magic, what)
+    return {f: (rows[:, 1 + i].astype(bool) if f in flags else rows[:, 1 + i].copy())
+            for i, f in enumerate(names)}
 
 
 @dataclass(frozen=True)
@@ -122,6 +155,10 @@ class GatheredControl:
     num_admittable: np.ndarray
     has_pending_prefill: np.ndarray
     kv_usage_ppm: np.ndarray
+    num_prefill_tokens: np.ndarray
+    num_running_decodes: np.ndarray
+    has_partial_prefill: np.ndarray
+    oldest_waiting_age_ticks: np.ndarray
     wave_id: np.ndarray
     tick: np.ndarray
     collective_count: np.ndarray
@@ -133,14 +170,7 @@ class GatheredControl:
 
         Raises ValueError when a row is not a control vector (wrong length or magic).
         """
-        rows = np.asarray(matrix, dtype=np.int64)
-        if rows.ndim != 2:
-            raise ValueError(f"expected [world_size, {CONTROL_VECTOR_LEN}], got {rows.shape}")
-        for row in rows:
-            _checked_row(row, CONTROL_VECTOR_LEN, CONTROL_MAGIC, "control")
-        cols = {f: rows[:, 1 + i] for i, f in enumerate(_CONTROL_FIELDS)}
-        return cls(**{f: (c.astype(bool) if f in _CONTROL_FLAGS else c.copy())
-                      for f, c in cols.items()})
+        return cls(**_columns(matrix, CONTROL_MAGIC, "control", _CONTROL_FIELDS, _CONTROL_FLAGS))
 
     @classmethod
     def from_states(cls, states: list[ControlState]) -> GatheredControl:
@@ -187,6 +217,8 @@ class BatchShape:
         is_dummy: the rank had nothing to run and steps a dummy batch that writes no KV.
         tbo_eligible: this rank's batch could be split into two micro-batches.
         has_prefill: the batch computes prompt tokens (a prefill or a prefill chunk).
+        num_prefill_tokens: tokens of the batch's prefills (prompt chunks, recomputation).
+        num_decode_seqs: sequences in the batch that decode (one token each).
     """
 
     num_tokens: int
@@ -194,27 +226,30 @@ class BatchShape:
     is_dummy: bool = False
     tbo_eligible: bool = False
     has_prefill: bool = False
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
 
     def __post_init__(self):
-        if self.num_tokens < 0 or self.num_seqs < 0:
-            raise ValueError(f"num_tokens and num_seqs must be >= 0: {self}")
+        if min(self.num_tokens, self.num_seqs, self.num_prefill_tokens, self.num_decode_seqs) < 0:
+            raise ValueError(f"token and sequence counts must be >= 0: {self}")
 
     def pack(self) -> torch.Tensor:
-        """int64 [BATCH_SHAPE_VECTOR_LEN]: magic, num_tokens, num_seqs, is_dummy, tbo_eligible,
-        has_prefill."""
-        return torch.tensor([BATCH_SHAPE_MAGIC, self.num_tokens, self.num_seqs,
-                             int(self.is_dummy), int(self.tbo_eligible), int(self.has_prefill)],
+        """int64 [BATCH_SHAPE_VECTOR_LEN]: the magic word, then the fields in declaration
+        order."""
+        return torch.tensor([BATCH_SHAPE_MAGIC, *(int(getattr(self, f)) for f in _SHAPE_FIELDS)],
                             dtype=torch.int64)
 
     @classmethod
     def unpack(cls, vec: torch.Tensor | np.ndarray) -> BatchShape:
         """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not a batch-shape vector."""
-        _, num_tokens, num_seqs, is_dummy, tbo, prefill = _checked_row(
-            vec, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape").tolist()
-        return cls(num_tokens, num_seqs, bool(is_dummy), bool(tbo), bool(prefill))
+        row = _checked_row(vec, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape")
+        return cls(**{f: (bool(v) if f in _SHAPE_FLAGS else int(v))
+                      for f, v in zip(_SHAPE_FIELDS, row[1:].tolist())})
 
 
-BATCH_SHAPE_VECTOR_LEN = 6
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
+_SHAPE_FLAGS = frozenset(f.name for f in dataclasses.fields(BatchShape) if f.type == "bool")
+BATCH_SHAPE_VECTOR_LEN = 1 + len(_SHAPE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -226,6 +261,8 @@ class GatheredBatchShape:
     is_dummy: np.ndarray  # bool
     tbo_eligible: np.ndarray  # bool
     has_prefill: np.ndarray  # bool
+    num_prefill_tokens: np.ndarray  # int64
+    num_decode_seqs: np.ndarray  # int64
 
     @classmethod
     def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredBatchShape:
@@ -233,13 +270,8 @@ class GatheredBatchShape:
 
         Raises ValueError when a row is not a batch-shape vector.
         """
-        rows = np.asarray(matrix, dtype=np.int64)
-        if rows.ndim != 2:
-            raise ValueError(f"expected [world_size, {BATCH_SHAPE_VECTOR_LEN}], got {rows.shape}")
-        for row in rows:
-            _checked_row(row, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape")
-        return cls(rows[:, 1].copy(), rows[:, 2].copy(), rows[:, 3].astype(bool),
-                   rows[:, 4].astype(bool), rows[:, 5].astype(bool))
+        return cls(**_columns(matrix, BATCH_SHAPE_MAGIC, "batch-shape", _SHAPE_FIELDS,
+                              _SHAPE_FLAGS))
 
     @classmethod
     def from_shapes(cls, shapes: list[BatchShape]) -> GatheredBatchShape:

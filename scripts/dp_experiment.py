@@ -1,4 +1,5 @@
-"""DP experiment: the PrefillDelayer on vs off on a bursty workload with one KV-pressured rank.
+"""DP experiment: the cross-rank prefill policies and the decode-protection interval on a bursty
+workload with one KV-pressured rank.
 
 Workload (token-id prompts, seeded, identical for every configuration):
 
@@ -8,23 +9,32 @@ Workload (token-id prompts, seeded, identical for every configuration):
 - *bursts*: ``--num-bursts`` bursts of ``--burst-size`` short prompts, ``--burst-interval-s``
   apart, routed by the DP router (``least_requests``).
 
-Configurations: the delayer off, then on with each ``--max-delay-passes`` value; with
-``--moe-split-experts E`` the model is DESIGN.md's model (a) (the embedded model's MLPs split
-into E experts, sharded over the ranks: every MoE layer exchanges tokens between the ranks), and
-each configuration runs with two-batch overlap off and on. Each runs the same workload on ``--dp-size`` real EngineCore processes. Measured
+Configurations: every ``--prefill-policy`` (none, delayer, coalescer) × every
+``--prefill-decode-interval`` (0 = off); with ``--moe-split-experts E`` the model is DESIGN.md's
+model (a) (the embedded model's MLPs split into E experts, sharded over the ranks: every MoE
+layer exchanges tokens between the ranks), and each configuration runs with two-batch overlap
+off and on. Each runs the same workload on ``--dp-size`` real EngineCore processes. Measured
 (the step counters come from the batch-shape exchange, so every rank counts the same):
 
 - mixed-step fraction: forward steps where some rank prefills and another does not, over all
   forward steps (in an expert-parallel model the decode-only ranks wait for the prefill);
+- prefill-step fraction: forward steps where some rank prefills (the rest are decode-only on
+  every rank: what the decode-protection interval protects);
 - dummy-step fraction: (rank, step) pairs that ran a dummy batch, over steps × ranks;
-- hold rate: the PrefillDelayer's holds over its decisions (it classifies even when off);
+- hold rate: the policy's holds over the ticks where some rank could admit a prefill, and the
+  longest run of consecutive holds;
 - output tokens/s from the first arrival to the last finish; TTFT and TPOT (mean, p50, p90).
 
-Prints a table and writes JSON (``--output-json``). Numbers move with machine load; compare
-configurations of the same run.
+Arrivals are in wall-clock seconds, so step counts move a little between runs (the ticks at
+which a burst lands depend on the machine's speed); the step counters themselves are exact.
+Every configuration writes its per-tick trace (``--trace-dir``/<configuration>/), its
+Perfetto JSON and its PNG timeline (``scripts/dp_trace.py``). Prints a table and writes JSON
+(``--output-json``). Wall-clock numbers move with machine load; compare configurations of the
+same run, and step counts across runs.
 
     python scripts/dp_experiment.py --output-json results/dp_experiment.json
-    python scripts/dp_experiment.py --moe-split-experts 4 --output-json results/dp_experiment_moe.json
+    python scripts/dp_experiment.py --moe-split-experts 4 --prefill-policy none delayer \
+        --prefill-decode-interval 0 --output-json results/dp_experiment_moe.json
 """
 
 from __future__ import annotations
@@ -34,11 +44,14 @@ import dataclasses
 import json
 import pathlib
 import random
+import re
 import statistics
 import sys
 import time
 
+import dp_trace  # scripts/dp_trace.py, beside this script
 from atom.config import EngineConfig
+from atom.dp.dp_trace import read_trace, to_perfetto
 from atom.entrypoints.llm import build_engine
 from atom.sampling_params import SamplingParams
 
@@ -103,15 +116,23 @@ def run_config(name: str, config: EngineConfig, workload: list[Arrival]) -> dict
         ranks = _idle_rank_stats(engine)
     finally:
         engine.shutdown()
+    return _measurements(name, config, finished, ranks, elapsed_s)
+
+
+def _measurements(name: str, config: EngineConfig, finished: dict, ranks: list[dict],
+                  elapsed_s: float) -> dict:
+    """The result row of one configuration (the step counters are rank 0's: every rank counts
+    the group's steps from the same gathered batch shapes)."""
     num_steps = ranks[0]["num_steps"]
-    delayer = {k.removeprefix("prefill_delayer_"): v for k, v in ranks[0].items()
-               if k.startswith("prefill_delayer_")}
+    policy = {k.removeprefix("prefill_policy_"): v for k, v in ranks[0].items()
+              if k.startswith("prefill_policy_")}
     ttft = [o.metrics.ttft_s * 1e3 for o in finished.values() if o.metrics.ttft_s is not None]
     tpot = [o.metrics.tpot_s * 1e3 for o in finished.values() if o.metrics.tpot_s is not None]
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in finished.values())
     return {
         "name": name,
-        "prefill_delayer": config.resolved_prefill_delayer(),
+        "prefill_policy": config.resolved_prefill_policy(),
+        "prefill_decode_interval": config.prefill_decode_interval,
         "num_requests": len(finished),
         "num_output_tokens": num_output_tokens,
         "elapsed_s": elapsed_s,
@@ -120,11 +141,14 @@ def run_config(name: str, config: EngineConfig, workload: list[Arrival]) -> dict
         "num_prefill_steps": ranks[0]["num_prefill_steps"],
         "num_mixed_prefill_steps": ranks[0]["num_mixed_prefill_steps"],
         "num_tbo_steps": ranks[0]["num_tbo_steps"],
+        "num_dummy_steps": sum(r["num_dummy_steps"] for r in ranks),
         "mixed_step_fraction": ranks[0]["num_mixed_prefill_steps"] / max(1, num_steps),
+        "prefill_step_fraction": ranks[0]["num_prefill_steps"] / max(1, num_steps),
         "dummy_step_fraction": sum(r["num_dummy_steps"] for r in ranks)
         / max(1, num_steps * len(ranks)),
-        "hold_rate": delayer["hold_rate"],
-        "prefill_delayer_stats": delayer,
+        "hold_rate": policy["hold_rate"],
+        "max_consecutive_holds": policy["max_consecutive_holds"],
+        "prefill_policy_stats": policy,
         "ttft_ms": _summary(ttft),
         "tpot_ms": _summary(tpot),
         "per_rank": [{k: r[k] for k in ("dp_rank", "num_real_steps", "num_dummy_steps",
@@ -148,9 +172,13 @@ def print_table(results: list[dict]) -> None:
     rows = [("configuration", [r["name"] for r in results]),
             ("output tok/s", [f"{r['output_tokens_per_s']:.1f}" for r in results]),
             ("forward steps (TBO)", [f"{r['num_steps']} ({r['num_tbo_steps']})" for r in results]),
+            ("prefill / mixed steps", [f"{r['num_prefill_steps']} / {r['num_mixed_prefill_steps']}"
+                                       for r in results]),
             ("mixed-step fraction", [f"{r['mixed_step_fraction']:.3f}" for r in results]),
+            ("prefill-step fraction", [f"{r['prefill_step_fraction']:.3f}" for r in results]),
             ("dummy-step fraction", [f"{r['dummy_step_fraction']:.3f}" for r in results]),
-            ("hold rate", [f"{r['hold_rate']:.3f}" for r in results]),
+            ("hold rate (longest run)", [f"{r['hold_rate']:.3f} ({r['max_consecutive_holds']})"
+                                         for r in results]),
             ("TTFT mean / p90 (ms)", [f"{r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p90']:.0f}"
                                       for r in results]),
             ("TPOT mean / p90 (ms)", [f"{r['tpot_ms']['mean']:.0f} / {r['tpot_ms']['p90']:.0f}"
@@ -176,8 +204,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-kv-blocks", type=int, default=32, help="per rank, 16 tokens each")
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-delay-passes", type=int, nargs="+", default=[30, 4],
-                   help="one 'delayer on' configuration per value (besides 'delayer off')")
+    p.add_argument("--prefill-policy", nargs="+", default=["none", "delayer", "coalescer"],
+                   choices=["none", "delayer", "coalescer"], help="the policies to sweep")
+    p.add_argument("--prefill-decode-interval", type=int, nargs="+", default=[0, 2],
+                   help="the decode-protection intervals to sweep (ticks; 0 = off)")
+    p.add_argument("--max-delay-passes", type=int, default=30, help="the delayer's bound")
     p.add_argument("--pressure-prompts", type=int, default=3)
     p.add_argument("--pressure-prompt-len", type=int, default=160)
     p.add_argument("--pressure-max-tokens", type=int, default=48)
@@ -191,30 +222,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model (a)), experts sharded over the ranks (expert parallelism), and "
                         "every configuration run with TBO off and on")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", default="results/dp_trace",
+                   help="each configuration's trace, Perfetto JSON and PNG go in a folder here")
     p.add_argument("--output-json", default="results/dp_experiment.json")
     return p.parse_args(argv)
+
+
+def configurations(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(name, EngineConfig options) of every configuration to run, in order."""
+    base = dict(data_parallel_size=args.dp_size, dtype=args.dtype,
+                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                max_model_len=1024, enable_prefix_caching=False,
+                prefill_delayer_max_delay_passes=args.max_delay_passes)
+    policies = [(f"{policy}, interval {n}", dict(prefill_policy=policy, prefill_decode_interval=n))
+                for policy in args.prefill_policy for n in args.prefill_decode_interval]
+    if not args.moe_split_experts:
+        return [(name, {**base, **options}) for name, options in policies]
+    # model (a) with its experts over the ranks; TBO off and on
+    base.update(moe_split_experts=args.moe_split_experts, enable_expert_parallel=True)
+    return [(f"{name}, TBO {'on' if tbo else 'off'}", {**base, **options, "enable_tbo": tbo})
+            for name, options in policies for tbo in (False, True)]
+
+
+def write_trace_views(folder: pathlib.Path, name: str) -> None:
+    """The configuration's Perfetto JSON and PNG timeline, beside its trace rows."""
+    traces = read_trace(folder)
+    (folder / "perfetto.json").write_text(json.dumps(to_perfetto(traces)))
+    dp_trace.plot(traces, folder / "timeline.png", title=name)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload = make_workload(args)
-    base = dict(data_parallel_size=args.dp_size, dtype=args.dtype,
-                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                max_model_len=1024, enable_prefix_caching=False)
-    delayer = [("delayer off", dict(prefill_delayer=False))] + [
-        (f"delayer on ({n} passes)", dict(prefill_delayer=True, prefill_delayer_max_delay_passes=n))
-        for n in args.max_delay_passes]
-    if args.moe_split_experts:  # model (a) with its experts over the ranks; TBO off and on
-        base.update(moe_split_experts=args.moe_split_experts, enable_expert_parallel=True)
-        configs = [(f"{name}, TBO {'on' if tbo else 'off'}", {**options, "enable_tbo": tbo})
-                   for name, options in delayer for tbo in (False, True)]
-    else:
-        configs = delayer
     results = []
-    for name, options in configs:
-        config = EngineConfig.from_kwargs(**{**base, **options})
+    for name, options in configurations(args):
+        folder = pathlib.Path(args.trace_dir) / re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+        config = EngineConfig.from_kwargs(**options, dp_trace=str(folder))
         print(f"running: {name} ...", file=sys.stderr, flush=True)
         results.append(run_config(name, config, workload))
+        write_trace_views(folder, name)
+        results[-1]["trace"] = str(folder)
     print_table(results)
     out = pathlib.Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -344,7 +344,7 @@ def test_reset_prefix_cache():
     assert bm.take_events() == []  # no BlockRemoved for already-cleared blocks
 
 
-# ----- dry-run claims (used by Scheduler.num_admittable) -----
+# ----- dry-run claims (used by Scheduler.preview_admission) -----
 
 def test_dry_run_claims_count_a_revived_block_once_and_see_evictions():
     bm = make_bm(8)

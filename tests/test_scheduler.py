@@ -13,7 +13,7 @@ import pytest
 
 from atom.block_manager import BlockManager
 from atom.sampling_params import SamplingParams
-from atom.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from atom.scheduler import AdmissionPreview, Scheduler, SchedulerConfig, SchedulerOutput
 from atom.sequence import FinishReason, Sequence, SequenceStatus
 
 BS = 4
@@ -47,9 +47,9 @@ def scripted(seq: Sequence) -> int:
 class Driver:
     """Runs scheduler steps with scripted tokens and checks every step.
 
-    Before each step it also checks that ``num_admittable`` has no side effects and predicts the
-    number of prefills (admissions and partial-prefill chunks) the step schedules; the
-    prediction is kept in ``admittable``.
+    Before each step it also checks that ``preview_admission`` has no side effects and predicts
+    the prefills (admissions and partial-prefill chunks) the step schedules and their tokens;
+    the prediction's count is kept in ``admittable``, its tokens in ``admittable_tokens``.
     """
 
     def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None) -> None:
@@ -57,6 +57,7 @@ class Driver:
         self.script = script or {}  # request_id -> tokens to sample, by output position
         self.outputs: list[SchedulerOutput] = []
         self.admittable: list[int] = []
+        self.admittable_tokens: list[int] = []
 
     def sample(self, seq: Sequence) -> int:
         tokens = self.script.get(seq.request_id)
@@ -65,18 +66,21 @@ class Driver:
     def step(self, *, allow_prefill: bool = True) -> SchedulerOutput:
         sched, cfg = self.sched, self.sched.config
         before = snapshot(sched)
-        num_admittable = sched.num_admittable(100)
+        preview = sched.preview_admission()
         assert snapshot(sched) == before
         waiting = {s.seq_id for s in sched.waiting}
         partial = {s.seq_id for s in sched.running if s.is_prefill}
         out = sched.schedule(allow_prefill=allow_prefill)
         check_pool(sched)
-        started = [seq for seq, _ in out.scheduled if seq.seq_id in waiting or seq.seq_id in partial]
+        started = [(seq, n) for seq, n in out.scheduled
+                   if seq.seq_id in waiting or seq.seq_id in partial]
         if allow_prefill:
-            assert len(started) == num_admittable, (num_admittable, [s.request_id for s in started])
+            assert len(started) == preview.num_prefills, (preview, ids(out))
+            assert sum(n for _, n in started) == preview.num_prefill_tokens, (preview, ids(out))
         else:
             assert started == []
-        self.admittable.append(num_admittable)
+        self.admittable.append(preview.num_prefills)
+        self.admittable_tokens.append(preview.num_prefill_tokens)
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
         assert len({seq.seq_id for seq, _ in out.scheduled}) == len(out.scheduled)
@@ -122,7 +126,7 @@ def check_pool(sched: Scheduler) -> None:
 
 
 def snapshot(sched: Scheduler) -> tuple:
-    """Everything num_admittable must leave untouched."""
+    """Everything preview_admission must leave untouched."""
     bm = sched.block_manager
     seqs = [*sched.waiting, *sched.running]
     return (
@@ -468,7 +472,7 @@ def test_every_block_is_free_after_a_mixed_workload():
 @pytest.mark.parametrize("seed", range(40))
 def test_random_workloads_keep_every_invariant(seed):
     """Arrivals, n > 1, aborts, shared prefixes, tight pools, chunking on and off: the driver
-    checks budgets, pool invariants and num_admittable every step; outputs match the script."""
+    checks budgets, pool invariants and preview_admission every step; outputs match the script."""
     rng = random.Random(seed)
     max_model_len = 40
     sched = make_scheduler(num_blocks=rng.randint(6, 14), max_num_seqs=rng.randint(1, 5),
@@ -530,15 +534,16 @@ def test_holding_with_nothing_to_hold_is_not_reported():
     assert out.is_empty and out.prefill_held and sched.num_waiting == 1
 
 
-# ----- num_admittable: a side-effect-free dry run of admission -----
+# ----- preview_admission: a side-effect-free dry run of admission -----
 
 def check_admittable(d: Driver) -> int:
-    """One step; returns num_admittable as checked by the driver against what was scheduled."""
+    """One step; returns the previewed number of prefills, checked by the driver (count and
+    tokens) against what was scheduled."""
     d.step()
     return d.admittable[-1]
 
 
-def test_num_admittable_budget_limited():
+def test_preview_admission_budget_limited():
     for chunked, expected in ((False, 2), (True, 3)):
         sched = make_scheduler(max_num_batched_tokens=16, chunked=chunked)
         add_all(sched, [make_seq(prompt(6, 1000 * i), f"r{i}") for i in range(4)])
@@ -548,7 +553,7 @@ def test_num_admittable_budget_limited():
         check_admittable(d)
 
 
-def test_num_admittable_block_limited():
+def test_preview_admission_block_limited():
     sched = make_scheduler(num_blocks=5)
     add_all(sched, [make_seq(prompt(8, 1000 * i), f"r{i}", max_tokens=1) for i in range(1, 4)])
     d = Driver(sched)
@@ -556,18 +561,17 @@ def test_num_admittable_block_limited():
     assert check_admittable(d) == 1
 
 
-def test_num_admittable_seq_limited_and_capped():
+def test_preview_admission_seq_limited():
     sched = make_scheduler(max_num_seqs=3)
     add_all(sched, [make_seq(prompt(3), "run", max_tokens=10)])
     d = Driver(sched)
     d.step()
     add_all(sched, [make_seq(prompt(3, 1000 * i), f"r{i}") for i in range(1, 5)])
-    assert sched.num_admittable(1) == 1 and sched.num_admittable(0) == 0
     assert check_admittable(d) == 2
     assert check_admittable(d) == 0  # 3 running: seq-limited
 
 
-def test_num_admittable_counts_partial_prefills():
+def test_preview_admission_counts_partial_prefills():
     sched = make_scheduler(max_num_batched_tokens=8)
     add_all(sched, [make_seq(prompt(20), "long"), make_seq(prompt(3, 2000), "short")])
     d = Driver(sched)
@@ -577,7 +581,64 @@ def test_num_admittable_counts_partial_prefills():
     assert check_admittable(d) == 0  # both decoding
 
 
-def test_num_admittable_accounts_for_decode_blocks():
+def test_preview_admission_tokens_are_chunks_within_the_budget_left_by_decodes():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    add_all(sched, [make_seq(prompt(3), "dec", max_tokens=10)])
+    d = Driver(sched)
+    d.step()  # dec decodes from now on: one token of each step's budget
+    add_all(sched, [make_seq(prompt(20, 2000), "long")])
+    assert sched.preview_admission() == AdmissionPreview(num_prefills=1, num_prefill_tokens=7)
+    d.step()
+    assert sched.preview_admission() == AdmissionPreview(1, 7)  # the partial's next chunk
+    d.step()
+    assert sched.preview_admission() == AdmissionPreview(1, 6)  # its remaining 6 tokens
+    d.step()
+    assert sched.preview_admission() == AdmissionPreview(0, 0)
+    assert d.admittable_tokens == [3, 7, 7, 6]  # dec's prompt first
+
+
+def test_preview_admission_tokens_exclude_prefix_cache_hits():
+    sched = make_scheduler()
+    p = prompt(12)
+    add_all(sched, [make_seq(p + [1], "warm", max_tokens=1)])
+    d = Driver(sched)
+    d.run()  # the prompt's 3 full blocks are cached
+    add_all(sched, [make_seq(p + [2, 3], "hit", max_tokens=1)])
+    assert sched.preview_admission() == AdmissionPreview(1, 2)  # 14 tokens, 12 cached
+    d.step()
+
+
+def test_waiting_age_counts_steps_since_entering_the_queue():
+    sched = make_scheduler(num_blocks=5)
+    a, b = add_all(sched, [make_seq(prompt(8), "a", max_tokens=8),
+                           make_seq(prompt(8, 2000), "b", max_tokens=8)])
+    assert sched.oldest_waiting_age_steps() == 0 and sched.num_running_decodes() == 0
+    d = Driver(sched)
+    d.step(allow_prefill=False)
+    d.step(allow_prefill=False)
+    assert sched.oldest_waiting_age_steps() == 2
+    d.step()  # both admitted: 4 of 5 blocks
+    assert sched.oldest_waiting_age_steps() == 0 and sched.num_running_decodes() == 2
+    c = make_seq(prompt(2, 3000), "c")
+    sched.add(c)
+    d.step()  # both decodes need a third block: b is preempted, its age starts over
+    assert list(sched.waiting) == [b, c] and sched.num_running_decodes() == 1
+    assert (b.waiting_since_step, c.waiting_since_step) == (4, 3)
+    assert sched.oldest_waiting_age_steps() == 1  # c's
+
+
+def test_partial_prefill_is_not_a_running_decode():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    add_all(sched, [make_seq(prompt(20), "long")])
+    d = Driver(sched)
+    d.step()
+    assert sched.has_partial_prefill() and sched.num_running_decodes() == 0
+    d.step()
+    d.step()
+    assert not sched.has_partial_prefill() and sched.num_running_decodes() == 1
+
+
+def test_preview_admission_accounts_for_decode_blocks():
     # a's decode needs a new block this step: one fewer block for admissions
     sched = make_scheduler(num_blocks=4)
     add_all(sched, [make_seq(prompt(7), "a", max_tokens=5)])
@@ -590,7 +651,7 @@ def test_num_admittable_accounts_for_decode_blocks():
     assert sched.num_waiting == 1
 
 
-def test_num_admittable_counts_a_shared_cached_prefix_once():
+def test_preview_admission_counts_a_shared_cached_prefix_once():
     sched = make_scheduler(num_blocks=7)
     p = prompt(12)
     add_all(sched, [make_seq(p + [1], "warm", max_tokens=1)])
@@ -601,7 +662,7 @@ def test_num_admittable_counts_a_shared_cached_prefix_once():
     assert check_admittable(d) == 2
 
 
-def test_num_admittable_sees_evictions_by_earlier_admissions():
+def test_preview_admission_sees_evictions_by_earlier_admissions():
     sched = make_scheduler(num_blocks=10, max_num_batched_tokens=28, chunked=False)
     bm = sched.block_manager
     d = Driver(sched)
@@ -625,7 +686,7 @@ def test_num_admittable_sees_evictions_by_earlier_admissions():
     assert x.block_table == [2, 1, 0] and y.num_cached_tokens == 0
 
 
-def test_num_admittable_waits_for_a_sibling_in_prefill():
+def test_preview_admission_waits_for_a_sibling_in_prefill():
     sched = make_scheduler()
     p = prompt(9)
     add_all(sched, [make_seq(p, "n2", index=0), make_seq(p, "n2", index=1)])
@@ -634,7 +695,7 @@ def test_num_admittable_waits_for_a_sibling_in_prefill():
     assert check_admittable(d) == 1
 
 
-def test_num_admittable_is_zero_when_a_decode_must_preempt():
+def test_preview_admission_is_zero_when_a_decode_must_preempt():
     sched = make_scheduler(num_blocks=5)
     a, b = add_all(sched, [make_seq(prompt(8), "a"), make_seq(prompt(8, 2000), "b")])
     d = Driver(sched)

@@ -101,7 +101,7 @@ class LLM:
 
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
-        collective count and hash, PrefillDelayer counters, the router's counters for the
+        collective count and hash, prefill policy counters, the router's counters for the
         rank); one rank: ``[get_stats()]``."""
         return self._engine.get_rank_stats()
 

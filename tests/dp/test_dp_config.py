@@ -1,5 +1,5 @@
 """DP engine options: CLI flags generated from EngineConfig (routing and KV events included),
-validation, delayer default."""
+validation, the prefill policy default, and the replaced ``--prefill-delayer`` flags."""
 
 from __future__ import annotations
 
@@ -24,20 +24,45 @@ def _parse(argv):
 
 def test_dp_flags():
     config = _parse(["--data-parallel-size", "2", "--dp-load-balance", "round_robin",
-                     "--no-prefill-delayer", "--prefill-delayer-max-delay-passes", "7",
-                     "--prefill-delayer-kv-low-watermark", "0.25"])
-    assert (config.data_parallel_size, config.dp_load_balance, config.prefill_delayer,
+                     "--prefill-policy", "coalescer", "--prefill-delayer-max-delay-passes", "7",
+                     "--prefill-delayer-kv-low-watermark", "0.25",
+                     "--prefill-coalescer-target-fill", "0.5",
+                     "--prefill-coalescer-ttft-max-ticks", "40",
+                     "--prefill-coalescer-partial-max-ticks", "4",
+                     "--prefill-coalescer-stall-ticks", "2",
+                     "--prefill-coalescer-kv-high-watermark", "0.8",
+                     "--prefill-coalescer-max-queue-ticks", "100",
+                     "--prefill-decode-interval", "2", "--dp-trace", "/tmp/trace"])
+    assert (config.data_parallel_size, config.dp_load_balance, config.prefill_policy,
             config.prefill_delayer_max_delay_passes, config.prefill_delayer_kv_low_watermark) == (
-        2, "round_robin", False, 7, 0.25)
-    assert not config.resolved_prefill_delayer()
+        2, "round_robin", "coalescer", 7, 0.25)
+    assert (config.prefill_coalescer_target_fill, config.prefill_coalescer_ttft_max_ticks,
+            config.prefill_coalescer_partial_max_ticks, config.prefill_coalescer_stall_ticks,
+            config.prefill_coalescer_kv_high_watermark,
+            config.prefill_coalescer_max_queue_ticks) == (0.5, 40, 4, 2, 0.8, 100)
+    assert (config.prefill_decode_interval, config.dp_trace) == (2, "/tmp/trace")
     default = _parse([])
-    assert default.prefill_delayer is None and default.prefill_delayer_kv_low_watermark is None
-    assert _parse(["--prefill-delayer"]).resolved_prefill_delayer()
+    assert (default.prefill_policy, default.prefill_decode_interval, default.dp_trace,
+            default.prefill_coalescer_max_queue_ticks) == (None, 0, None, None)
 
 
-def test_delayer_default_follows_dp_size():
-    assert not EngineConfig().resolved_prefill_delayer()
-    assert EngineConfig(data_parallel_size=2).resolved_prefill_delayer()
+def test_policy_default_follows_dp_size():
+    assert EngineConfig().resolved_prefill_policy() == "none"
+    assert EngineConfig(data_parallel_size=2).resolved_prefill_policy() == "delayer"
+    assert EngineConfig(data_parallel_size=2, prefill_policy="none").resolved_prefill_policy() == (
+        "none")
+
+
+@pytest.mark.parametrize("flag, replacement", [("--prefill-delayer", "--prefill-policy"),
+                                               ("--no-prefill-delayer", "--prefill-policy")])
+def test_replaced_flags_say_what_to_use(flag, replacement, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(["--data-parallel-size", "2", flag])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} was replaced" in err and replacement in err
+    with pytest.raises(TypeError, match="prefill_policy='delayer' or 'none'"):
+        EngineConfig.from_kwargs(data_parallel_size=2, prefill_delayer=False)
 
 
 def test_routing_and_kv_events_flags():
@@ -64,10 +89,22 @@ def test_routing_and_kv_events_flags():
                                  dict(dp_load_balance="cache_aware", enable_prefix_caching=False),
                                  dict(kv_events_endpoint="tcp://127.0.0.1"),
                                  dict(kv_events_endpoint="tcp://127.0.0.1:5557",
-                                      kv_events_buffer_size=0)])
+                                      kv_events_buffer_size=0),
+                                 dict(prefill_policy="nagle"), dict(prefill_decode_interval=-1),
+                                 dict(prefill_coalescer_ttft_max_ticks=0),
+                                 dict(prefill_coalescer_target_fill=0.0),
+                                 dict(prefill_coalescer_max_queue_ticks=0)])
 def test_validation(bad):
     with pytest.raises(ValueError):
-        EngineConfig(**bad)
+        EngineConfig(**{"data_parallel_size": 2, **bad})
+
+
+@pytest.mark.parametrize("option", [dict(prefill_policy="delayer"),
+                                    dict(prefill_decode_interval=2), dict(dp_trace="/tmp/t")])
+def test_prefill_settings_need_data_parallelism(option):
+    with pytest.raises(ValueError, match="needs data parallelism"):
+        EngineConfig(**option)
+    assert EngineConfig(prefill_policy="none").resolved_prefill_policy() == "none"
 
 
 def test_thread_count_is_decided_in_one_place():

@@ -1,4 +1,4 @@
-"""PrefillDelayer on 2 real DP processes: rank 0's KV pool is nearly full (long prompts pinned to
+"""PrefillDelayer (the default prefill policy with DP > 1) on 2 real DP processes: rank 0's KV pool is nearly full (long prompts pinned to
 it), rank 1 gets a stream of short prompts. ``mixed`` ticks occur (rank 1 could prefill, rank 0
 has prefill work it cannot admit), prefills are held for at most ``max_delay_passes`` ticks in a
 row, and every request completes (no deadlock)."""
@@ -44,12 +44,14 @@ def test_mixed_ticks_are_held_boundedly_and_everything_completes(dp_llm):
             break
         assert time.monotonic() < deadline, f"the ranks did not go idle: {stats}"
         time.sleep(0.05)
-    print({k: v for k, v in stats[0].items() if k.startswith("prefill_delayer_")})
+    print({k: v for k, v in stats[0].items() if k.startswith("prefill_policy_")})
     for s in stats:
-        assert s["prefill_delayer_num_mixed_ticks"] > 0, s
-        assert s["prefill_delayer_hold"] > 0, s
-        assert 0 < s["prefill_delayer_max_consecutive_holds"] <= MAX_DELAY_PASSES, s
+        assert s["prefill_policy_num_mixed_ticks"] > 0, s
+        assert s["prefill_policy_decisions_hold"] > 0, s
+        assert 0 < s["prefill_policy_max_consecutive_holds"] <= MAX_DELAY_PASSES, s
+        num_per_reason = [v for k, v in s.items() if k.startswith("prefill_policy_decisions_")]
+        assert sum(num_per_reason) == s["prefill_policy_num_decisions"] > 0
         assert s["num_free_blocks"] == s["num_total_blocks"]
     # the decision is a pure function of gathered values: identical counters on both ranks
-    keys = [k for k in stats[0] if k.startswith("prefill_delayer_")]
+    keys = [k for k in stats[0] if k.startswith("prefill_policy_")]
     assert [stats[0][k] for k in keys] == [stats[1][k] for k in keys]

@@ -1,18 +1,13 @@
-"""PrefillDelayer: every branch of the decision table, from fake gathered control vectors."""
+"""PrefillDelayer: every branch of the decision table, from hand-made gathered control vectors
+(run through the PrefillDecider, which counts the decisions)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 
 from atom.config import EngineConfig
-from atom.dp.prefill_delayer import (
-    MAX_NUM_ADMITTABLE,
-    AlignmentStatus,
-    DecisionReason,
-    PrefillDelayer,
-)
+from atom.dp.prefill_delayer import PrefillDelayer
+from atom.dp.prefill_policy import DecisionReason, PrefillDecider
 from atom.dp.sync import ControlState, GatheredControl
 
 WATERMARK = 0.5  # the low watermark of the tests that turn the valve on
@@ -35,52 +30,48 @@ def gathered(*ranks: ControlState) -> GatheredControl:
 MIXED = gathered(rank(2), rank(0, pending=True))  # rank 1 has work it cannot admit yet
 
 
-def delayer(*, enabled: bool = True, max_delay_passes: int = 30,
-            kv_low_watermark: float | None = None, tbo_enabled: bool = False,
-            dp_rank: int = 0, log_every_n_decisions: int | None = None) -> PrefillDelayer:
-    config = EngineConfig(data_parallel_size=2, prefill_delayer=enabled,
+def delayer(*, max_delay_passes: int = 30, kv_low_watermark: float | None = None,
+            tbo_enabled: bool = False, dp_rank: int = 0,
+            log_every_n_decisions: int | None = None) -> PrefillDecider:
+    config = EngineConfig(data_parallel_size=2, prefill_policy="delayer",
                           prefill_delayer_max_delay_passes=max_delay_passes,
                           prefill_delayer_kv_low_watermark=kv_low_watermark,
                           enable_tbo=tbo_enabled)
-    return PrefillDelayer(config, dp_rank=dp_rank, log_every_n_decisions=log_every_n_decisions)
+    return PrefillDecider(PrefillDelayer(config), dp_rank=dp_rank,
+                          log_every_n_decisions=log_every_n_decisions)
+
+
+HOLD, TIMEOUT = DecisionReason.HOLD, DecisionReason.TIMEOUT
 
 
 def test_none_no_rank_ready_allows():
     d = delayer()
     for g in (gathered(rank(0), rank(0)), gathered(rank(0, pending=True), rank(0))):
         decision = d.decide(g)
-        assert (decision.status, decision.reason, decision.allow) == (
-            AlignmentStatus.NONE, DecisionReason.ALLOW_NONE, True)
+        assert (decision.reason, decision.allow) == (DecisionReason.ALLOW_NONE, True)
 
 
 def test_all_pending_ranks_ready_allows():
     decision = delayer().decide(gathered(rank(1), rank(3)))
-    assert (decision.status, decision.reason, decision.allow) == (
-        AlignmentStatus.ALL, DecisionReason.ALLOW_ALL, True)
-    assert (decision.num_ready_ranks, decision.num_pending_ranks) == (2, 2)
+    assert (decision.reason, decision.allow) == (DecisionReason.ALLOW_ALL, True)
 
 
 def test_rank_without_pending_work_does_not_hold_others():
     d = delayer()
     decision = d.decide(gathered(rank(1), rank(0, pending=False), rank(0, pending=False)))
     assert decision.reason is DecisionReason.ALLOW_ALL
-    assert (decision.num_ready_ranks, decision.num_pending_ranks) == (1, 1)
 
 
 def test_mixed_holds_every_rank():
-    d = delayer()
-    decision = d.decide(MIXED)
-    assert (decision.status, decision.reason, decision.allow) == (
-        AlignmentStatus.MIXED, DecisionReason.HOLD, False)
-    assert decision.num_consecutive_holds == 1
+    decision = delayer().decide(MIXED)
+    assert (decision.reason, decision.allow, decision.num_consecutive_holds) == (HOLD, False, 1)
 
 
 def test_hold_bounded_by_max_delay_passes_then_timeout_and_reset():
     d = delayer(max_delay_passes=3)
     reasons = [d.decide(MIXED).reason for _ in range(9)]
-    hold, timeout = DecisionReason.HOLD, DecisionReason.TIMEOUT
     # three holds, a timeout allow, and the counter starts over after it
-    assert reasons == [hold, hold, hold, timeout, hold, hold, hold, timeout, hold]
+    assert reasons == [HOLD, HOLD, HOLD, TIMEOUT, HOLD, HOLD, HOLD, TIMEOUT, HOLD]
     assert d.stats()["max_consecutive_holds"] == 3
 
 
@@ -89,65 +80,28 @@ def test_any_allow_resets_the_hold_counter():
     d.decide(MIXED)
     d.decide(MIXED)
     assert d.decide(gathered(rank(1), rank(1))).reason is DecisionReason.ALLOW_ALL
-    assert [d.decide(MIXED).reason for _ in range(4)] == [DecisionReason.HOLD] * 3 + [
-        DecisionReason.TIMEOUT]
+    assert [d.decide(MIXED).reason for _ in range(4)] == [HOLD] * 3 + [TIMEOUT]
 
 
 def test_watermark_valve_releases_a_mixed_hold():
     d = delayer(kv_low_watermark=WATERMARK)
     decision = d.decide(gathered(rank(2, below_watermark=True), rank(0, pending=True)))
-    assert (decision.status, decision.reason, decision.allow) == (
-        AlignmentStatus.MIXED, DecisionReason.WATERMARK, True)
+    assert (decision.reason, decision.allow) == (DecisionReason.WATERMARK, True)
     # only a *ready* rank below the watermark opens the valve
     decision = d.decide(gathered(rank(2), rank(0, pending=True, below_watermark=True)))
-    assert decision.reason is DecisionReason.HOLD
+    assert decision.reason is HOLD
     # the valve is off by default: the same usage holds
     assert delayer().decide(gathered(rank(2, below_watermark=True), rank(0, pending=True))
-                            ).reason is DecisionReason.HOLD
-
-
-def test_local_inputs():
-    @dataclass
-    class Pool:
-        kv_usage: float
-
-    @dataclass
-    class FakeScheduler:
-        block_manager: Pool
-        admittable: int
-        pending: bool
-
-        def num_admittable(self, cap: int) -> int:
-            return min(self.admittable, cap)
-
-        def has_pending_prefill(self) -> bool:
-            return self.pending
-
-    sched = FakeScheduler(Pool(0.25), admittable=9, pending=True)
-    inputs = delayer(kv_low_watermark=0.3).local_inputs(sched)
-    assert (inputs.num_admittable, inputs.has_pending_prefill, inputs.kv_usage_ppm) == (
-        MAX_NUM_ADMITTABLE, True, 250_000)
+                            ).reason is HOLD
 
 
 def test_tbo_readiness_needs_two_admittable():
     d = delayer(tbo_enabled=True)
-    assert d.min_num_admittable == 2
-    decision = d.decide(gathered(rank(2), rank(1)))  # rank 1 has one prefill: not enough to split
-    assert (decision.status, decision.reason) == (AlignmentStatus.MIXED, DecisionReason.HOLD)
+    assert d.policy.min_num_admittable == 2
+    assert d.decide(gathered(rank(2), rank(1))).reason is HOLD  # rank 1 cannot split
     assert d.decide(gathered(rank(1), rank(1))).reason is DecisionReason.ALLOW_NONE
     assert d.decide(gathered(rank(2), rank(4))).reason is DecisionReason.ALLOW_ALL
     assert delayer().decide(gathered(rank(2), rank(1))).reason is DecisionReason.ALLOW_ALL
-
-
-def test_disabled_always_allows_but_still_classifies():
-    d = delayer(enabled=False)
-    for _ in range(50):
-        decision = d.decide(MIXED)
-        assert (decision.status, decision.reason, decision.allow) == (
-            AlignmentStatus.MIXED, DecisionReason.DISABLED, True)
-    stats = d.stats()
-    assert (stats["disabled"], stats["hold"], stats["num_mixed_ticks"], stats["hold_rate"]) == (
-        50, 0, 50, 0.0)
 
 
 def test_counters_and_hold_rate():
@@ -162,9 +116,10 @@ def test_counters_and_hold_rate():
     for g in sequence:
         d.decide(g)
     assert d.stats() == {
-        "num_decisions": 7, "allow_none": 1, "allow_all": 1, "hold": 3, "timeout": 1,
-        "watermark": 1, "disabled": 0, "num_ready_ticks": 6, "num_mixed_ticks": 5,
-        "hold_rate": 3 / 6, "max_consecutive_holds": 2,
+        "num_decisions": 7, "decisions_allow_none": 1, "decisions_allow_all": 1,
+        "decisions_hold": 3, "decisions_timeout": 1, "decisions_watermark": 1,
+        "num_ready_ticks": 6, "hold_rate": 3 / 6, "max_consecutive_holds": 2,
+        "num_mixed_ticks": 5,
     }
     assert d.hold_rate == 0.5
     assert delayer().hold_rate == 0.0
@@ -180,13 +135,13 @@ def test_decisions_identical_on_every_rank():
 
 def test_logs_counters_every_n_decisions(caplog):
     d = delayer(log_every_n_decisions=2, dp_rank=3)
-    with caplog.at_level("INFO", logger="atom.dp.prefill_delayer"):
+    with caplog.at_level("INFO", logger="atom.dp.prefill_policy"):
         for _ in range(5):
             d.decide(MIXED)
     lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert len(lines) == 2
     assert lines[-1].startswith("[dp3] prefill delayer: num_decisions=4,")
-    assert "hold=4" in lines[-1] and "hold_rate=1.000" in lines[-1]
+    assert "decisions_hold=4" in lines[-1] and "hold_rate=1.000" in lines[-1]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -250,7 +250,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("atom serve needs the tokenizer: drop --skip-tokenizer-init")
     listener = bind_listener(args.host, args.port)  # before the engine: a busy port fails fast
     model_name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, prefill_policy=config.resolved_prefill_policy())
     try:
         engine = build_engine(config)
     except BaseException:

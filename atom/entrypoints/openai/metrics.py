@@ -7,8 +7,12 @@ Two sources:
   over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
   (tokens) and their hit rate, preemptions, aborted and front-end-finished sequences, KV event
   batches published and dropped (when the ranks publish), and, with data parallelism, the
-  PrefillDelayer's decisions per reason and its hold rate, and the DP router's load (unfinished
-  requests it charged to the rank) and decisions per reason (``atom.dp.router.REASONS``);
+  cross-rank prefill policy's decisions per reason (``atom:prefill_policy_decisions``,
+  labelled ``policy`` and ``reason``; they sum to its decisions), its hold rate and its longest
+  run of holds (with the delayer, also under the names that predate the other policies:
+  ``atom:prefill_delayer_decisions``, ``atom:prefill_delayer_hold_rate``), and the DP router's
+  load (unfinished requests it charged to the rank) and decisions per reason
+  (``atom.dp.router.REASONS``);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
   (batches applied, gaps detected / healed / unhealed, lost batches, decode failures);
 - per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
@@ -38,8 +42,6 @@ _ENGINE_GAUGES = (
     ("atom:num_requests_running", "num_running", "Sequences in the running batch."),
     ("atom:num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled."),
     ("atom:num_kv_blocks_total", "num_total_blocks", "KV cache blocks in the pool."),
-    ("atom:prefill_delayer_hold_rate", "prefill_delayer_hold_rate",
-     "PrefillDelayer holds / ticks where some rank was ready."),
     ("atom:prefix_cache_hit_rate", "prefix_cache_hit_rate",
      "Prefix-cache hits / queries (prompt tokens) since start (0-1)."),
     ("atom:dp_router_load", "dp_router_load",
@@ -57,8 +59,6 @@ _ENGINE_COUNTERS = (
     ("atom:kv_events_dropped_batches", "kv_events_dropped_batches",
      "KV event batches dropped unsent because the publisher's queue was full."),
 )
-_DELAYER_PREFIX = "prefill_delayer_"
-_DELAYER_REASONS = ("allow_all", "allow_none", "hold", "timeout", "watermark", "disabled")
 _ROUTER_PREFIX = "dp_router_decisions_"
 # (metric name, front-end stats key, help): the DP router's KV event subscriber
 _SUBSCRIBER_COUNTERS = (
@@ -75,13 +75,19 @@ _SUBSCRIBER_COUNTERS = (
     ("atom:kv_events_subscriber_decode_failures", "kv_subscriber_num_decode_failures",
      "Unreadable KV event messages, payloads or events."),
 )
+_DECISIONS_PREFIX = "prefill_policy_decisions_"  # + reason: the DP loop's stats keys
+_POLICY_GAUGES = (
+    ("hold_rate", "Prefill policy holds / ticks where some rank could admit a prefill."),
+    ("max_consecutive_holds", "Longest run of consecutive prefill holds (ticks)."),
+)
 
 
 class _EngineCollector:
     """Yields the engine series from the last stats snapshot (one dict per DP rank)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefill_policy: str):
         self.model_name = model_name
+        self.prefill_policy = prefill_policy
         self.rank_stats: list[dict] = []
         self.front_end_stats: dict = {}
 
@@ -111,9 +117,7 @@ class _EngineCollector:
                 if key in s or not key.startswith("kv_events_"):  # events: only when on
                     family.add_metric(values, s.get(key, 0))
             yield family
-        yield _per_reason("atom:prefill_delayer_decisions",
-                          "PrefillDelayer decisions per reason (DP only).", rows,
-                          _DELAYER_PREFIX, _DELAYER_REASONS)
+        yield from self._policy_families(labels, rows)
         yield _per_reason("atom:dp_router_decisions",
                           "DP router decisions per reason, by destination rank (DP only).",
                           rows, _ROUTER_PREFIX, REASONS)
@@ -122,6 +126,36 @@ class _EngineCollector:
             if key in self.front_end_stats:
                 family.add_metric([self.model_name], self.front_end_stats[key])
             yield family
+
+    def _policy_families(self, labels: list[str], rows: list[tuple[list[str], dict]]):
+        """The prefill policy's series (DP only: a single rank has no policy stats)."""
+        yield from _decision_families("atom:prefill_policy", labels, rows,
+                                      policy=self.prefill_policy, gauges=_POLICY_GAUGES)
+        if self.prefill_policy == "delayer":  # the names dashboards used before the policies
+            yield from _decision_families("atom:prefill_delayer", labels, rows, policy=None,
+                                          gauges=_POLICY_GAUGES[:1])
+
+
+def _decision_families(prefix: str, labels: list[str], rows: list[tuple[list[str], dict]], *,
+                       policy: str | None, gauges: tuple[tuple[str, str], ...]):
+    """``{prefix}_decisions`` per reason and the ``gauges``, from the ``prefill_policy_*``
+    stats of each rank; a ``policy`` label unless ``policy`` is None."""
+    extra, extra_values = (["policy"], [policy]) if policy is not None else ([], [])
+    decisions = CounterMetricFamily(f"{prefix}_decisions",
+                                    "Cross-rank prefill decisions per reason (DP only).",
+                                    labels=labels + extra + ["reason"])
+    for values, s in rows:
+        for key, count in s.items():
+            if key.startswith(_DECISIONS_PREFIX):
+                decisions.add_metric(values + extra_values + [key.removeprefix(_DECISIONS_PREFIX)],
+                                     count)
+    yield decisions
+    for name, doc in gauges:
+        family = GaugeMetricFamily(f"{prefix}_{name}", doc, labels=labels + extra)
+        for values, s in rows:
+            if f"prefill_policy_{name}" in s:
+                family.add_metric(values + extra_values, s[f"prefill_policy_{name}"])
+        yield family
 
 
 def _per_reason(name: str, doc: str, rows, prefix: str, reasons) -> CounterMetricFamily:
@@ -141,7 +175,7 @@ class ServerMetrics:
     runs on the event loop.
     """
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, *, prefill_policy: str = "none"):
         self.model_name = model_name
         disable_created_metrics()  # no *_created series (process-wide; this is the server)
         self.registry = CollectorRegistry()
@@ -160,7 +194,7 @@ class ServerMetrics:
         self.request_success = Counter("atom:request_success", "Finished requests per reason.",
                                        labelnames=["model_name", "finished_reason"],
                                        registry=self.registry)
-        self._engine = _EngineCollector(model_name)
+        self._engine = _EngineCollector(model_name, prefill_policy)
         self.registry.register(self._engine)
 
     def record_finished(self, out: RequestOutput) -> None:

@@ -1,0 +1,54 @@
+"""ServerMetrics renders the prefill policy's counters from hand-made per-rank stats (no server,
+no engine): one series per rank and reason, summing to the decisions, and the delayer's series
+also under the names that predate the other policies."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from atom.entrypoints.openai.metrics import ServerMetrics
+
+
+def rank_stats(dp_rank: int, decisions: dict[str, int]) -> dict:
+    stats = {"dp_rank": dp_rank, "num_total_blocks": 8, "num_free_blocks": 8,
+             "prefill_policy_num_decisions": sum(decisions.values()),
+             "prefill_policy_hold_rate": 0.25, "prefill_policy_max_consecutive_holds": 3}
+    stats.update({f"prefill_policy_decisions_{r}": n for r, n in decisions.items()})
+    return stats
+
+
+def samples(policy: str, stats: list[dict]) -> dict[str, list]:
+    text = ServerMetrics("m", prefill_policy=policy).render(stats).decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_coalescer_decisions_per_rank_policy_and_reason():
+    decisions = {"fire_fill": 2, "hold_fill": 5, "hold_decode_interval": 1}
+    out = samples("coalescer", [rank_stats(0, decisions), rank_stats(1, decisions)])
+    series = out["atom:prefill_policy_decisions_total"]
+    assert len(series) == 6
+    assert {labels["policy"] for labels, _ in series} == {"coalescer"}
+    for rank in ("0", "1"):
+        per_reason = {labels["reason"]: value for labels, value in series
+                      if labels["dp_rank"] == rank}
+        assert per_reason == decisions
+    assert [v for _, v in out["atom:prefill_policy_max_consecutive_holds"]] == [3.0, 3.0]
+    assert "atom:prefill_delayer_decisions_total" not in out
+
+
+def test_delayer_keeps_its_metric_names():
+    out = samples("delayer", [rank_stats(0, {"hold": 4, "allow_all": 1})])
+    assert sorted((labels["reason"], v) for labels, v in
+                  out["atom:prefill_delayer_decisions_total"]) == [("allow_all", 1.0),
+                                                                   ("hold", 4.0)]
+    assert out["atom:prefill_delayer_hold_rate"] == [({"model_name": "m", "dp_rank": "0"}, 0.25)]
+    assert len(out["atom:prefill_policy_decisions_total"]) == 2
+
+
+def test_single_rank_has_no_policy_series():
+    out = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8}])
+    assert "atom:prefill_policy_decisions_total" not in out
