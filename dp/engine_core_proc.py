@@ -32,7 +32,7 @@ return before the control sync:
 Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
 sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
 
-Waves (DESIGN.md, "Idle and waves"): an idle rank wakes on ``StartWave(w)`` with ``w`` equal to
+Waves (docs/ARCHITECTURE.md, "The DP tick", idle and waves): an idle rank wakes on ``StartWave(w)`` with ``w`` equal to
 its wave counter (a stale ``w`` is ignored), on Shutdown, or on a request. A request carries the
 wave the front end believed current: when that is older than the rank's wave, the front end
 dispatched without knowing the group had gone idle (so it sent no StartWave), and the rank sends

@@ -1,4 +1,4 @@
-"""PrefillDelayer: cross-rank prefill alignment (DESIGN.md, "PrefillDelayer"), the
+"""PrefillDelayer: cross-rank prefill alignment (docs/ARCHITECTURE.md, "Across ranks"), the
 ``--prefill-policy delayer`` (the default with DP > 1; the interface is in
 :mod:`atom.dp.prefill_policy`).
 

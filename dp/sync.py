@@ -1,6 +1,6 @@
-"""The two per-tick exchanges of DESIGN.md: the control sync and the batch-shape exchange.
+"""The two per-tick exchanges of the DP tick: the control sync and the batch-shape exchange.
 
-Per tick, on every rank, in this order (DESIGN.md, "Processes and data flow"):
+Per tick, on every rank, in this order (docs/ARCHITECTURE.md, "The DP tick"):
 
 1. **control sync** (control group, before scheduling): each rank packs a :class:`ControlState`
    into a fixed-length int64 vector; one all-gather gives every rank a :class:`GatheredControl`;
@@ -73,7 +73,7 @@ class ControlState:
         has_partial_prefill: a running sequence is part way through its prompt.
         oldest_waiting_age_ticks: ticks the longest-waiting sequence has been in the waiting
             queue (the scheduler steps once per stepping tick); 0 when none waits.
-        wave_id: the wave this rank is stepping in (DESIGN.md, "Idle and waves").
+        wave_id: the wave this rank is stepping in (docs/ARCHITECTURE.md, "The DP tick", idle and waves).
         tick: ticks this rank has run (identical on every rank while in step).
         collective_count, collective_hash: the collective log before this sync (the hash as
             the int64 with the same bits); :func:`exchange_control` fills them in.
@@ -280,7 +280,7 @@ class GatheredBatchShape:
 
     @property
     def tbo_agreed(self) -> bool:
-        """Split into two micro-batches only when every rank is eligible (DESIGN.md)."""
+        """Split into two micro-batches only when every rank is eligible (the lockstep rule)."""
         return bool(self.tbo_eligible.all())
 
     @property

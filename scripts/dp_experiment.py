@@ -10,8 +10,8 @@ Workload (token-id prompts, seeded, identical for every configuration):
   apart, routed by the DP router (``least_requests``).
 
 Configurations: every ``--prefill-policy`` (none, delayer, coalescer) × every
-``--prefill-decode-interval`` (0 = off); with ``--moe-split-experts E`` the model is DESIGN.md's
-model (a) (the embedded model's MLPs split into E experts, sharded over the ranks: every MoE
+``--prefill-decode-interval`` (0 = off); with ``--moe-split-experts E`` the model is the
+checkable model (a) of docs/ARCHITECTURE.md (the embedded model's MLPs split into E experts, sharded over the ranks: every MoE
 layer exchanges tokens between the ranks), and each configuration runs with two-batch overlap
 off and on. Each runs the same workload on ``--dp-size`` real EngineCore processes. Measured
 (the step counters come from the batch-shape exchange, so every rank counts the same):
@@ -218,8 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--short-prompt-len", type=int, nargs=2, default=(24, 64))
     p.add_argument("--short-max-tokens", type=int, nargs=2, default=(8, 24))
     p.add_argument("--moe-split-experts", type=int, default=0,
-                   help="E > 0: the embedded model with every MLP split into E experts (DESIGN.md "
-                        "model (a)), experts sharded over the ranks (expert parallelism), and "
+                   help="E > 0: the embedded model with every MLP split into E experts (model "
+                        "(a) of docs/ARCHITECTURE.md), experts sharded over the ranks (expert parallelism), and "
                         "every configuration run with TBO off and on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace-dir", default="results/dp_trace",
