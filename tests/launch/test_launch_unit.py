@@ -164,13 +164,32 @@ def test_record_errors_writes_exceptions_but_not_system_exit(tmp_path, monkeypat
 
 def test_endpoint_exchange_through_a_store():
     store = dist.HashStore()
-    publish_endpoint(store, "engine_core/1/input", "tcp://10.0.0.2:5555")
+    remote = dict(master_addr="10.0.0.1")
+    publish_endpoint(store, "engine_core/1/input", "tcp://10.0.0.2:5555", **remote)
     assert store.get("atom/endpoint/engine_core/1/input") == b"tcp://10.0.0.2:5555"
-    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1) == "tcp://10.0.0.2:5555"
-    publish_endpoint(store, "engine_core/1/input", "ipc:///tmp/atom-1")  # a restart replaces it
-    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1) == "ipc:///tmp/atom-1"
+    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1, **remote) == "tcp://10.0.0.2:5555"
+    local = dict(master_addr="127.0.0.1")  # every node is this machine: ipc goes
+    publish_endpoint(store, "engine_core/1/input", "ipc:///tmp/atom-1", **local)  # replaces it
+    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1, **local) == "ipc:///tmp/atom-1"
     with pytest.raises(TimeoutError, match="atom/endpoint/engine_core/2/input"):
-        lookup_endpoint(store, "engine_core/2/input", timeout_s=0.2)
+        lookup_endpoint(store, "engine_core/2/input", timeout_s=0.2, **remote)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://127.1.2.3:5555",
+                                     "tcp://localhost:5555", "tcp://[::1]:5555",
+                                     "ipc:///tmp/atom-1", "inproc://front"])
+def test_an_endpoint_other_hosts_cannot_reach_is_refused_when_the_master_is_remote(address):
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="local to one host, but MASTER_ADDR=10.0.0.1 is not "
+                                         "loopback"):
+        publish_endpoint(store, "dp/front_end/output", address, master_addr="10.0.0.1")
+    assert not store.check(["atom/endpoint/dp/front_end/output"])
+    # a node started with a loopback --master-addr publishes it; its remote peers refuse it
+    publish_endpoint(store, "dp/front_end/output", address, master_addr="127.0.0.1")
+    with pytest.raises(ValueError, match="'dp/front_end/output' is local to one host"):
+        lookup_endpoint(store, "dp/front_end/output", timeout_s=1, master_addr="10.0.0.1")
+    assert lookup_endpoint(store, "dp/front_end/output", timeout_s=1,
+                           master_addr="localhost") == address
 
 
 @pytest.mark.parametrize("key, address, match", [
@@ -182,7 +201,7 @@ def test_endpoint_exchange_through_a_store():
 ])
 def test_endpoint_validation(key, address, match):
     with pytest.raises(ValueError, match=match):
-        publish_endpoint(dist.HashStore(), key, address)
+        publish_endpoint(dist.HashStore(), key, address, master_addr="10.0.0.1")
 
 
 def test_endpoint_key_prefix():
