@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -133,6 +134,10 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
 
         run_dp_rank(config, extra_eos_token_ids=extra_eos, endpoints=endpoints,
                     front_end=front_end)
+        # the ranks stopped together: the launcher's SIGTERM that may still come (another
+        # node's launcher signals a moment after node 0's) must not make this clean exit a
+        # death by signal (SIG_IGN, unlike a Python handler, lasts through interpreter exit)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
         if front_end is not None and front_end.poll() is None:
