@@ -6,7 +6,8 @@ Two sources:
   labelled ``dp_rank``: running and waiting sequences, KV cache usage (blocks with ref count > 0
   over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
   (tokens), preemptions, aborted and front-end-finished sequences, and, with data parallelism,
-  the PrefillDelayer's decisions per reason and its hold rate;
+  the DP loop's ticks and forward steps (dummy, prefill, mixed-prefill, TBO) and the
+  PrefillDelayer's decisions per reason and its hold rate;
 - per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
   latency histograms (seconds), prompt and generation token counters, finished requests per
   ``finished_reason``.
@@ -43,6 +44,14 @@ _ENGINE_COUNTERS = (
     ("atom:num_aborted_seqs", "num_aborted_seqs", "Sequences aborted by clients (disconnects)."),
     ("atom:num_front_end_finished_seqs", "num_front_end_finished_seqs",
      "Sequences ended by a stop string matched in the front end."),
+    # the DP loop's (DP ranks only; every rank counts the group's steps, so they agree)
+    ("atom:dp_ticks", "tick", "DP ticks (control syncs) of the rank."),
+    ("atom:dp_steps", "num_steps", "Forward steps of the DP group."),
+    ("atom:dp_dummy_steps", "num_dummy_steps", "Dummy batches this rank ran (no work of its own)."),
+    ("atom:dp_prefill_steps", "num_prefill_steps", "Group steps where some rank prefilled."),
+    ("atom:dp_mixed_prefill_steps", "num_mixed_prefill_steps",
+     "Group steps where some rank prefilled and another did not."),
+    ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
 )
 _DELAYER_PREFIX = "prefill_delayer_"
 _DELAYER_REASONS = ("allow_all", "allow_none", "hold", "timeout", "watermark", "disabled")
@@ -78,7 +87,8 @@ class _EngineCollector:
         for name, key, doc in _ENGINE_COUNTERS:
             family = CounterMetricFamily(name, doc, labels=labels)
             for values, s in rows:
-                family.add_metric(values, s.get(key, 0))
+                if key in s:  # the dp_* ones only on DP ranks
+                    family.add_metric(values, s[key])
             yield family
         decisions = CounterMetricFamily("atom:prefill_delayer_decisions",
                                         "PrefillDelayer decisions per reason (DP only).",
