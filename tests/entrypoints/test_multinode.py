@@ -107,6 +107,7 @@ def test_per_rank_reads_the_servers_metrics_rendering():
     assert list(ranks) == [0, 1]
     assert ranks[1]["dp_steps"] == 40 and ranks[1]["dp_dummy_steps"] == 1
     assert ranks[0]["dp_ticks"] == 43 and ranks[0]["num_kv_blocks_used"] == 8
+    assert ranks[0]["num_kv_blocks_total"] == 128  # a gauge: its name stays whole
     assert ranks[0]["kv_cache_usage_perc"] == pytest.approx(8 / 128)
     assert ranks[0]["prefill_delayer_decisions.hold"] == 3
     one_rank = per_rank(ServerMetrics("m").render([{"num_total_blocks": 8}]).decode())

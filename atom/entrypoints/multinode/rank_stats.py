@@ -2,8 +2,8 @@
 
 :func:`per_rank` turns one scrape into ``{dp_rank: {series: value}}``; :class:`MetricsSampler`
 scrapes every ``interval_s`` while the benchmark runs, for the per-rank load over time. Series
-names drop the ``atom:`` prefix and the ``_total`` suffix of counters
-(``atom:dp_steps_total`` → ``dp_steps``); per-reason counters become ``name.reason``.
+names drop the ``atom:`` prefix and a counter's ``_total`` suffix (``atom:dp_steps_total`` →
+``dp_steps``); per-reason counters become ``name.reason``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ SAMPLED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"
            "dp_dummy_steps")
 
 
-def _short(name: str) -> str:
-    name = name.removeprefix("atom:")
-    return name.removesuffix("_total")
+def _short(family, sample_name: str) -> str:
+    """``atom:dp_steps_total`` (a counter's sample) → ``dp_steps``; a gauge keeps its name
+    (``atom:num_kv_blocks_total`` → ``num_kv_blocks_total``)."""
+    if family.type == "counter" and sample_name == family.name + "_total":
+        sample_name = family.name
+    return sample_name.removeprefix("atom:")
 
 
 def per_rank(text: str) -> dict[int, dict[str, float]]:
@@ -32,7 +35,7 @@ def per_rank(text: str) -> dict[int, dict[str, float]]:
         for sample in family.samples:
             if "dp_rank" not in sample.labels:
                 continue
-            name = _short(sample.name)
+            name = _short(family, sample.name)
             if "reason" in sample.labels:
                 name = f"{name}.{sample.labels['reason']}"
             ranks.setdefault(int(sample.labels["dp_rank"]), {})[name] = sample.value

@@ -117,7 +117,7 @@ def plot_rank_load(samples: list[dict], path: pathlib.Path) -> None:
     load.set_title("running + waiting sequences")
     kv.set_title("KV cache usage (%)")
     for ax in (load, kv):
-        ax.set_xlabel("s since the benchmark started")
+        ax.set_xlabel("s since atom bench serve started (tokenizer load, warm-up included)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
