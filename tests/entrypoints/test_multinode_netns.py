@@ -103,6 +103,18 @@ def test_network_hosts_are_separate_hosts_and_are_removed():
     assert hosts.bridge not in list_links()
 
 
+def test_stale_hosts_of_a_dead_run_are_removed_first_and_a_live_runs_kept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names the "dead run"
+    stale_ns, stale_bridge = f"atom-{dead.pid:x}-0-n0", f"atb{dead.pid:x}-0"
+    subprocess.run(["ip", "netns", "add", stale_ns], check=True)
+    subprocess.run(["ip", "link", "add", stale_bridge, "type", "bridge"], check=True)
+    with NetnsHosts(1) as hosts, NetnsHosts(1) as other:  # another live run: ours, kept
+        assert stale_ns not in list_netns() and stale_bridge not in list_links()
+        assert set(hosts.namespaces) <= set(list_netns())
+        assert other.leftovers() and hosts.leftovers()
+
+
 def test_network_hosts_take_the_cluster_files_addresses_on_a_free_subnet():
     cluster = ClusterSpec.from_json({"name": "given", "nodes": [{"address": "10.207.5.20"},
                                                                 {"address": "10.207.5.31"}]})

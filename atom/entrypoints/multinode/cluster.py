@@ -51,7 +51,8 @@ class ClusterSpec:
     master_port: int = 29500  # torchrun's default
     http_port: int = 8000  # atom serve's default
     gloo_socket_ifname: str | None = None
-    python: str | None = None  # None: this driver's interpreter (right for netns)
+    python: str | None = None  # atom's Python on the nodes; None: this driver's interpreter
+    # path (right for netns, and for ssh hosts with the same layout)
     workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
