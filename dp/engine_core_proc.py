@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -53,7 +54,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
-from atom.engine_core_proc import EngineCoreProc, run_process
+from atom.engine_core_proc import EngineCoreProc, ShutdownRequested, run_process
 from atom.messages import (
     CoreInput,
     EngineCoreOutputs,
@@ -76,6 +77,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCKSTEP_CHECK_EVERY = 64  # ticks between collective-hash comparisons
+# after a SIGTERM, how long a rank waits for every rank to be shutting down before it leaves
+# alone (a SIGTERM to this rank only); below the launcher's 10 s SIGTERM → SIGKILL grace
+SIGTERM_GRACE_S = 5.0
 
 
 class DPEngineCoreProc(EngineCoreProc):
@@ -117,6 +121,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.num_mixed_prefill_steps = 0  # ... where some rank prefills and another does not
         self.num_tbo_steps = 0  # ... run as two micro-batches (every rank could split)
         self.num_waves_completed = 0
+        self._sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
 
     # ----- inputs -----
 
@@ -172,13 +177,24 @@ class DPEngineCoreProc(EngineCoreProc):
     # ----- the loop -----
 
     def run_busy_loop(self) -> None:
-        """Run until every rank is asked to shut down (or SIGTERM, or the front end is gone).
+        """Run until every rank is asked to shut down (or the front end is gone).
+
+        In the loop, SIGTERM asks this rank to shut down like a Shutdown message does, so the
+        ranks still stop together at a control sync when a launcher stops them (each node's a
+        second or so after node 0's): leaving at once would fail the collective the others are
+        in. A rank whose peers are not all shutting down within :data:`SIGTERM_GRACE_S`, or
+        that gets a second SIGTERM, leaves alone.
 
         Raises:
             LockstepError: the ranks' collective sequences differ.
             CollectiveError: a collective failed (a peer died, or the group timed out).
+            ShutdownRequested: SIGTERM, and the other ranks did not follow (above).
         """
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         while True:
+            if (self._sigterm_at is not None
+                    and time.monotonic() - self._sigterm_at > SIGTERM_GRACE_S):
+                raise ShutdownRequested()
             if self.parent_is_gone():
                 logger.warning("[dp%d] the parent process is gone: exiting", self.dp_rank)
                 return
@@ -187,8 +203,31 @@ class DPEngineCoreProc(EngineCoreProc):
                 self.process_inputs(block=True)  # wakes on StartWave, a request or Shutdown
                 continue
             self.process_inputs(block=False)
-            if self._tick():
+            if self._tick_unless_stopping():
                 return
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._sigterm_at is not None:
+            raise ShutdownRequested()
+        from atom.dp.collectives import process_collective_log
+
+        self._sigterm_at = time.monotonic()
+        self._shutdown = True
+        self.idle = False  # enter a tick: the ranks stop together
+        # a collective failing from now on means a peer has left already: no post-mortem
+        # wait for its history (up to a minute), this rank is stopping anyway
+        process_collective_log().detach_store()
+
+    def _tick_unless_stopping(self) -> bool:
+        """:meth:`_tick`; after SIGTERM a failed collective (a peer gone first) is the stop."""
+        from atom.dp.collectives import CollectiveError
+
+        try:
+            return self._tick()
+        except CollectiveError:
+            if self._sigterm_at is None:
+                raise
+            raise ShutdownRequested() from None
 
     def _check_front_end(self) -> None:
         """Rank 0's own front end exited: fine after it sent Shutdown (the ranks then stop

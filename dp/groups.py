@@ -8,18 +8,28 @@ the default group (gloo; used by nothing hot), the **control group** (gloo, alwa
 control sync is a tiny CPU gather, and a CPU group keeps it off the GPU stream) and the **device
 group** (gloo on CPU; NCCL when CUDA is available, which is RCCL on ROCm: batch-shape exchange and
 MoE dispatch/combine). Every collective on them goes through :mod:`atom.dp.collectives`.
+
+Before gloo starts, every rank picks the address gloo binds (:mod:`atom.dp.node_address`: the
+interface on the route to ``MASTER_ADDR``, set as ``GLOO_SOCKET_IFNAME`` unless that is set
+already), publishes it in the store and checks every rank's: a rank that would bind loopback
+while its peers are on other hosts fails every rank at once with a message saying what to
+change, instead of gloo failing to connect after the group timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from atom.dp.collective_log import process_collective_log
+from atom.dp.node_address import GLOO_IFNAME_ENV, check_rank_addresses, gloo_address
 from atom.dp.rank_contract import RankInfo, hosts_store, rank_logger
 
 __all__ = ["DPGroups", "RankInfo", "init_process_groups", "rank_logger", "rendezvous_store"]
@@ -29,6 +39,7 @@ logger = logging.getLogger(__name__)
 # torch's own rendezvous keys live under this prefix so that atom's keys in the same store
 # (ZMQ endpoints, collective post-mortems) can never collide with them
 _TORCH_STORE_PREFIX = "atom/torch"
+_ADDRESS_PREFIX = "atom/dp/address/"
 
 
 @dataclass
@@ -86,6 +97,10 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
         ValueError: ``timeout_s`` is not positive.
         RuntimeError: torch.distributed is already initialized in this process, or the
             rendezvous failed (a peer did not connect within ``timeout_s``).
+        ValueError: some ranks would bind loopback while others are on other hosts
+            (:func:`atom.dp.node_address.check_rank_addresses`), or ``GLOO_SOCKET_IFNAME``
+            names an interface this node does not have.
+        OSError: ``MASTER_ADDR`` does not resolve, or this node has no route to it.
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s}: it must be a positive number of seconds")
@@ -95,6 +110,7 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
     info = rank_info
     timeout = datetime.timedelta(seconds=timeout_s)
     store = rendezvous_store(info, timeout_s=timeout_s)
+    _agree_on_addresses(store, info, timeout_s=timeout_s)
     dist.init_process_group("gloo", store=dist.PrefixStore(_TORCH_STORE_PREFIX, store),
                             rank=info.rank, world_size=info.world_size, timeout=timeout)
     # new_group is itself a collective over the store: every rank creates the same groups in
@@ -113,3 +129,25 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
         timeout_s)
     return DPGroups(rank_info=info, store=store, control=control, device=device,
                     device_backend=device_backend, timeout_s=timeout_s)
+
+
+def _agree_on_addresses(store: dist.Store, info: RankInfo, *, timeout_s: float) -> None:
+    """Choose gloo's interface, publish this rank's address, check every rank's (module
+    docstring). Raises as :func:`init_process_groups`."""
+    address, ifname = gloo_address(info.master_addr, info.master_port)
+    if ifname is not None and not os.environ.get(GLOO_IFNAME_ENV):
+        # torch reads it each time it creates a gloo group; set once here, before the first
+        os.environ[GLOO_IFNAME_ENV] = ifname
+    record = {"address": address, "interface": ifname, "master_addr": info.master_addr,
+              "host": socket.gethostname()}
+    store.set(f"{_ADDRESS_PREFIX}{info.rank}", json.dumps(record))
+    keys = [f"{_ADDRESS_PREFIX}{r}" for r in range(info.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(f"rank(s) {missing} did not reach the rendezvous within "
+                           f"{timeout_s:g}s (dp_group_timeout_s)") from None
+    check_rank_addresses([json.loads(store.get(k)) for k in keys])
+    rank_logger(logger, info.dp_rank).info("gloo binds %s (interface %s)", address,
+                                           os.environ.get(GLOO_IFNAME_ENV, "from the hostname"))

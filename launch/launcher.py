@@ -4,7 +4,8 @@ Usage::
 
     python -m atom.launch [--nproc-per-node N] [--nnodes M] [--node-rank R]
                           [--master-addr A] [--master-port P] [--no-python] [--log-dir DIR]
-                          [--term-timeout-s S] [--rdzv-timeout-s S] [--] COMMAND ...
+                          [--term-timeout-s S] [--rdzv-timeout-s S] [--node-timeout-s S]
+                          [--] COMMAND ...
 
 One launcher runs per node and starts ``N`` local workers. ``COMMAND`` is an ``atom`` subcommand
 (``generate ...``, ``serve ...``), run as ``python -m atom.entrypoints.cli COMMAND ...``; a first
@@ -53,8 +54,20 @@ copied to ``--log-dir``/``rank<N>.stderr.log`` and to the console with a ``[rank
 The launcher exits with the first failing rank's exit code (1 when a signal killed it). Ctrl-C,
 SIGTERM or SIGHUP to the launcher stops every worker the same way (a second one: SIGKILL at
 once) and exits with 128 + the signal number. With several nodes, the first launcher to stop
-tells the others through the store and they stop too. Not covered: a launcher killed with
-SIGKILL cannot stop its workers (as with torchrun).
+tells the others through the store and they stop too (a stop signal to one launcher is a
+requested stop on every node: each exits with 128 + that signal's number). A launcher killed
+with SIGKILL cannot stop its own workers (as with torchrun; they exit when their next
+collective fails, or on their parent's death once their loop runs), but node 0's launcher
+finds its node **lost** when that node's heartbeat in the store stops for ``--node-timeout-s``
+(default 30), and stops every node with a report naming it
+(:mod:`atom.launch.rendezvous`).
+
+**Networks.** The rendezvous store listens on every interface of node 0 (torch's ``TCPStore``
+binds the wildcard address); everything else binds this node's address on the route to
+``--master-addr`` (:mod:`atom.dp.node_address`), gloo included (``GLOO_SOCKET_IFNAME`` is set
+to that interface unless it is set already). So give every node the same ``--master-addr``, an
+address of node 0 that every node reaches; a loopback one on some nodes and not on others is
+refused by every rank at start-up with a message saying so.
 """
 
 from __future__ import annotations
@@ -67,13 +80,14 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
 from atom.config import oversubscription_warning, resolve_num_threads
 from atom.launch import env as launch_env
-from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
+from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, NodeWatch, StopRecord
 from atom.launch.supervisor import Outcome, StopSignals, Supervisor, wait_for_other_nodes
 from atom.launch.workers import WorkerSpec, start_workers
 
@@ -96,6 +110,8 @@ class LaunchConfig:
     log_dir: str | None = None  # per-rank logs and error files; None: a temporary folder
     term_timeout_s: float = 10.0  # SIGTERM → SIGKILL grace; short enough for a 30 s exit
     rdzv_timeout_s: float = 300.0  # how long launchers wait for each other (torchrun: 300-600)
+    node_timeout_s: float = 30.0  # node 0 declares a node lost after its launcher's silence;
+    # far above STORE_POLL_S, so a launcher starved of CPU for a while is not taken for dead
 
     def __post_init__(self):
         if not self.command:
@@ -116,6 +132,9 @@ class LaunchConfig:
             raise ValueError("--master-addr is empty: give node 0's address")
         if not (self.term_timeout_s > 0 and self.rdzv_timeout_s > 0):
             raise ValueError("--term-timeout-s and --rdzv-timeout-s must be positive seconds")
+        if not self.node_timeout_s > 3 * STORE_POLL_S:
+            raise ValueError(f"--node-timeout-s {self.node_timeout_s:g} must be more than "
+                             f"{3 * STORE_POLL_S:g} s (three heartbeats)")
 
     @property
     def world_size(self) -> int:
@@ -206,17 +225,21 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                                           reason=f"node {config.node_rank} could not start "
                                                  f"its ranks: {e}"))
             raise
-        outcome = Supervisor(workers, signals=signals, store=store,
+        watch = (NodeWatch(store, node_timeout_s=config.node_timeout_s, now=time.monotonic())
+                 if store.multi_node and store.node_rank == 0 else None)
+        outcome = Supervisor(workers, signals=signals, store=store, watch=watch,
                              term_timeout_s=config.term_timeout_s).run()
         store.mark_done()
-        if store.node_rank == 0 and store.multi_node:
+        if watch is not None:
             grace = (config.term_timeout_s + 3 * STORE_POLL_S + 5 if outcome.stopping
                      else config.rdzv_timeout_s)
-            wait_for_other_nodes(store, signals, timeout_s=grace)
+            lost = wait_for_other_nodes(store, signals, timeout_s=grace, watch=watch)
+            outcome.lost = outcome.lost or lost
     _report(outcome, config=config, log_dir=log_dir)
     # the logs of a failure stay (the report names the folder); a clean exit or a stop the user
-    # asked for (Ctrl-C, SIGTERM) leaves nothing behind
-    stopped_on_request = outcome.signal is not None and outcome.failure is None
+    # asked for (Ctrl-C, SIGTERM, to this node's launcher or another's) leaves nothing behind
+    asked = outcome.signal is not None or getattr(outcome.remote, "signal", None) is not None
+    stopped_on_request = asked and outcome.failure is None and outcome.lost is None
     if own_log_dir and (outcome.exit_code == 0 or stopped_on_request):
         shutil.rmtree(log_dir, ignore_errors=True)
     return outcome.exit_code
@@ -228,9 +251,16 @@ def _report(outcome: Outcome, *, config: LaunchConfig, log_dir: str) -> None:
         stopped = "the launcher stopped the other ranks; " if len(outcome.exit_codes) > 1 else ""
         logger.error("%s\n%sexit codes: %s; logs in %s", outcome.failure.describe(), stopped,
                      codes, log_dir)
-        if outcome.remote is not None:
+        first = outcome.remote or outcome.lost
+        if first is not None:
             logger.error("another node had stopped first, likely the root cause: %s",
-                         outcome.remote.reason)
+                         first.reason)
+    elif outcome.lost is not None:
+        logger.error("%s\nstopped every rank of this node (exit codes: %s; logs in %s)",
+                     outcome.lost.reason, codes, log_dir)
+    elif outcome.remote is not None and outcome.remote.signal is not None:
+        logger.warning("stopped because another node was stopped: %s (exit codes: %s)",
+                       outcome.remote.reason, codes)
     elif outcome.remote is not None:
         logger.error("stopped because another node stopped: %s\n(this node's exit codes: %s; "
                      "logs in %s)", outcome.remote.reason, codes, log_dir)
@@ -265,6 +295,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping the ranks")
     p.add_argument("--rdzv-timeout-s", type=float, default=d.rdzv_timeout_s,
                    help="seconds the launchers of a multi-node run wait for each other")
+    p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s,
+                   help="seconds of silence after which node 0 takes another node for lost")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="an atom subcommand (generate ...), a script.py, or with --no-python "
                         "any executable; separate it with -- if it starts with a dash")
@@ -282,7 +314,8 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str | None = None) 
                             master_addr=args.master_addr, master_port=args.master_port,
                             no_python=args.no_python, log_dir=args.log_dir,
                             term_timeout_s=args.term_timeout_s,
-                            rdzv_timeout_s=args.rdzv_timeout_s)
+                            rdzv_timeout_s=args.rdzv_timeout_s,
+                            node_timeout_s=args.node_timeout_s)
     except ValueError as e:
         parser.error(str(e))
         raise AssertionError("unreachable") from e  # parser.error exits

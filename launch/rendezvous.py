@@ -12,10 +12,18 @@ Between launchers (``--nnodes`` > 1) the store carries three things, all JSON by
 
 * ``node/<R>``: node R joined, with its ``--nproc-per-node``; every launcher waits for all
   nodes before it starts a worker, and refuses a duplicate node rank or unequal sizes;
-* ``stop``: the first reason any launcher stops (a failed rank, a signal); the other launchers
-  poll it every :data:`STORE_POLL_S` and stop their own workers, so a dead rank ends every node
-  even when the others are blocked somewhere no collective error reaches them (an idle ZMQ wait);
-* ``num_nodes_done``: the exit barrier; node 0 keeps the store up until every launcher is done.
+* ``stop``: the first reason any launcher stops (a failed rank, a signal, a lost node); the
+  other launchers poll it every :data:`STORE_POLL_S` and stop their own workers, so a dead rank
+  ends every node even when the others are blocked somewhere no collective error reaches them
+  (an idle ZMQ wait);
+* ``heartbeat/<R>``: a counter every launcher but node 0's bumps each :data:`STORE_POLL_S`
+  while its workers run; node 0's launcher (:class:`NodeWatch`) declares a node **lost** when
+  its counter has not moved for ``--node-timeout-s`` (by node 0's clock) and it is not done: a
+  launcher killed with SIGKILL, a crashed host, a cut network. Node 0 then stops as for a
+  failure, naming the lost node, and publishes it as the stop reason. The other direction
+  needs no key: a node that loses the store (node 0 gone) stops by itself;
+* ``done/<R>``: node R's workers have all exited (the exit barrier); node 0 keeps the store up
+  until every launcher is done or lost.
 """
 
 from __future__ import annotations
@@ -30,10 +38,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-STORE_POLL_S = 1.0  # how often a launcher looks for another node's stop record
+STORE_POLL_S = 1.0  # how often a launcher looks for another node's stop record and beats
 _PREFIX = "atom/launch/"
 _STOP_KEY = _PREFIX + "stop"
-_DONE_KEY = _PREFIX + "num_nodes_done"
 _OP_TIMEOUT_S = 30.0  # any single store operation once connected
 
 
@@ -41,15 +48,26 @@ def _node_key(node_rank: int) -> str:
     return f"{_PREFIX}node/{node_rank}"
 
 
+def _heartbeat_key(node_rank: int) -> str:
+    return f"{_PREFIX}heartbeat/{node_rank}"
+
+
+def _done_key(node_rank: int) -> str:
+    return f"{_PREFIX}done/{node_rank}"
+
+
 @dataclass(frozen=True)
 class StopRecord:
-    """Why some launcher stopped its workers: a failed rank (``rank``/``exit_code`` set) or a
-    signal / lost store (``reason`` only)."""
+    """Why launcher ``node_rank`` stopped its workers: a failed rank (``rank``/``exit_code``
+    set), a stop signal to it (``signal``), a node it found lost (``lost_node``), or a lost
+    store (``reason`` only)."""
 
     node_rank: int
     reason: str
     rank: int | None = None
     exit_code: int | None = None
+    signal: int | None = None
+    lost_node: int | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode("utf-8")
@@ -166,14 +184,54 @@ class LaunchStore:
                                                   f"{str(e).splitlines()[0]}")
         return None if record.node_rank == self.node_rank else record
 
+    def beat(self) -> None:
+        """Bump this node's heartbeat (nodes other than 0, multi-node only; module docstring)."""
+        if self.multi_node and self.node_rank != 0:
+            try:
+                self.store.add(_heartbeat_key(self.node_rank), 1)
+            except RuntimeError:
+                pass  # the store is gone: remote_stop() reports it
+
     def mark_done(self) -> None:
         """This launcher's workers are all gone (the exit barrier's arrival)."""
         if self.multi_node:
             try:
-                self.store.add(_DONE_KEY, 1)
+                self.store.set(_done_key(self.node_rank), b"1")
             except RuntimeError:
                 pass  # node 0 is gone; nobody is waiting for us
 
+    def is_done(self, node_rank: int) -> bool:
+        """True once node ``node_rank`` called :meth:`mark_done`."""
+        return self.store.check([_done_key(node_rank)])
+
     def all_done(self) -> bool:
         """True once every node called :meth:`mark_done` (always true on one node)."""
-        return not self.multi_node or self.store.add(_DONE_KEY, 0) >= self.nnodes
+        return not self.multi_node or all(self.is_done(r) for r in range(self.nnodes))
+
+
+class NodeWatch:
+    """Node 0's watch over the other launchers' heartbeats (module docstring).
+
+    Owns, per other node, the last heartbeat count seen and when (``time.monotonic()`` of this
+    launcher) it last moved; a node counts from the moment the watch starts.
+    """
+
+    def __init__(self, store: LaunchStore, *, node_timeout_s: float, now: float):
+        self.store = store
+        self.node_timeout_s = node_timeout_s
+        self._seen = {r: (0, now) for r in range(1, store.nnodes)}
+
+    def lost(self, now: float) -> list[tuple[int, float]]:
+        """``(node_rank, seconds silent)`` of every node lost by ``now``, in node order.
+
+        Raises:
+            RuntimeError: the store (this launcher's own) cannot be read.
+        """
+        found = []
+        for node, (count, since) in self._seen.items():
+            latest = self.store.store.add(_heartbeat_key(node), 0)
+            if latest != count:
+                self._seen[node] = (latest, now)
+            elif now - since > self.node_timeout_s and not self.store.is_done(node):
+                found.append((node, now - since))
+        return found

@@ -3,8 +3,9 @@
 One thread, one ``selectors`` loop, no polling where Linux allows it: the loop sleeps until a
 worker writes to stderr (teed by :meth:`WorkerProcess.pump`), a worker exits (its pidfd becomes
 readable), a stop signal arrives (``signal.set_wakeup_fd``), the SIGTERM→SIGKILL grace period
-ends, or, with several nodes, it is time to look for another node's stop record
-(:data:`~atom.launch.rendezvous.STORE_POLL_S`).
+ends, or, with several nodes, it is time to look for another node's stop record and to beat
+(:data:`~atom.launch.rendezvous.STORE_POLL_S`); node 0 then also looks for lost nodes
+(:class:`~atom.launch.rendezvous.NodeWatch`).
 
 Stopping means SIGTERM to every worker's process group, then SIGKILL to those still there after
 ``term_timeout_s``; when the last worker is gone every group gets a final SIGKILL, so nothing a
@@ -21,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, StopRecord
+from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, NodeWatch, StopRecord
 from atom.launch.workers import WorkerFailure, WorkerProcess, exit_status
 
 logger = logging.getLogger(__name__)
@@ -70,16 +71,19 @@ class StopSignals:
 @dataclass
 class Outcome:
     """How the run ended. The first stop reason wins, except that a local failure seen after
-    another node's stop record keeps both (the remote one is then the likely root cause)."""
+    another node's stop record keeps both (the remote one is then the likely root cause), and a
+    node found lost after a local failure is kept too (likely the root cause as well)."""
 
     failure: WorkerFailure | None = None  # a local rank that failed first
     signal: int | None = None  # a stop signal to this launcher
     remote: StopRecord | None = None  # another node stopped first
+    lost: StopRecord | None = None  # node 0 only: another node's launcher went silent
     exit_codes: dict[int, int] = field(default_factory=dict)  # rank → exit code
 
     @property
     def stopping(self) -> bool:
-        return self.failure is not None or self.signal is not None or self.remote is not None
+        return (self.failure is not None or self.signal is not None or self.remote is not None
+                or self.lost is not None)
 
     @property
     def exit_code(self) -> int:
@@ -88,17 +92,20 @@ class Outcome:
         if self.signal is not None:
             return 128 + self.signal
         if self.remote is not None:
+            if self.remote.signal is not None:  # a stop asked of another node's launcher
+                return 128 + self.remote.signal
             return exit_status(self.remote.exit_code) if self.remote.exit_code else 1
-        return 0
+        return 1 if self.lost is not None else 0
 
 
 class Supervisor:
     """The event loop of one launcher: owns the running workers until all have exited."""
 
     def __init__(self, workers: Sequence[WorkerProcess], *, signals: StopSignals,
-                 store: LaunchStore, term_timeout_s: float):
+                 store: LaunchStore, term_timeout_s: float, watch: NodeWatch | None = None):
         self.workers, self.signals, self.store = workers, signals, store
         self.node_rank, self.term_timeout_s = store.node_rank, term_timeout_s
+        self.watch = watch  # node 0 of several: the other nodes' heartbeats
         self.outcome = Outcome()
         self._kill_at: float | None = None
         self._num_signals_seen = 0
@@ -123,17 +130,26 @@ class Supervisor:
                 now = time.monotonic()
                 if self.store.multi_node and now >= next_store_poll:
                     next_store_poll = now + STORE_POLL_S
+                    self.store.beat()
                     if not self.outcome.stopping:
-                        remote = self.store.remote_stop()
-                        if remote is not None:
-                            self.outcome.remote = remote
-                            self._stop(f"node {remote.node_rank} stopped: "
-                                       f"{remote.reason.splitlines()[0]}")
+                        self._poll_other_nodes(now)
                 if self._kill_at is not None and now >= self._kill_at:
                     self._kill("did not exit within --term-timeout-s after SIGTERM")
         finally:
             self._finish()
         return self.outcome
+
+    def _poll_other_nodes(self, now: float) -> None:
+        remote = self.store.remote_stop()
+        if remote is not None:
+            self.outcome.remote = remote
+            self._stop(f"node {remote.node_rank} stopped: {remote.reason.splitlines()[0]}")
+            return
+        lost = lost_node_record(self.watch, self.node_rank, now) if self.watch else None
+        if lost is not None:
+            self.outcome.lost = lost
+            self.store.publish_stop(lost)
+            self._stop(lost.reason)
 
     def _wait(self, next_store_poll: float) -> None:
         deadlines = [t for t in (self._kill_at, next_store_poll if self.store.multi_node
@@ -186,7 +202,7 @@ class Supervisor:
             self.outcome.signal = sig
             self.store.publish_stop(StopRecord(node_rank=self.node_rank,
                                                reason=f"{name} to the launcher of node "
-                                                      f"{self.node_rank}"))
+                                                      f"{self.node_rank}", signal=sig))
             self._stop(f"{name} received")
 
     def _stop(self, why: str) -> None:
@@ -221,15 +237,41 @@ class Supervisor:
             w.close()
 
 
-def wait_for_other_nodes(store: LaunchStore, signals: StopSignals, *, timeout_s: float):
-    """Node 0 keeps the store up until every launcher is done (bounded by ``timeout_s``)."""
+def lost_node_record(watch: NodeWatch, node_rank: int, now: float) -> StopRecord | None:
+    """The stop record naming the first lost node :meth:`NodeWatch.lost` finds, or None."""
+    try:
+        lost = watch.lost(now)
+    except RuntimeError:  # our own store failing: nothing to judge the others by
+        return None
+    if not lost:
+        return None
+    node, silent_s = lost[0]
+    return StopRecord(node_rank=node_rank, lost_node=node,
+                      reason=f"node {node} is lost: its launcher has not been heard from for "
+                             f"{silent_s:.0f}s (--node-timeout-s {watch.node_timeout_s:g}): "
+                             f"killed, crashed, or cut off from node {node_rank}")
+
+
+def wait_for_other_nodes(store: LaunchStore, signals: StopSignals, *, timeout_s: float,
+                         watch: NodeWatch | None = None) -> StopRecord | None:
+    """Node 0 keeps the store up until every launcher is done (bounded by ``timeout_s``), one
+    is found lost (returned as its stop record, also published), or a new stop signal comes
+    (one that stopped the workers already must not cut the others' stop short: they would
+    lose the store mid-way)."""
     deadline = time.monotonic() + timeout_s
+    num_signals = len(signals.received)
     with selectors.DefaultSelector() as sel:
         sel.register(signals.fd, selectors.EVENT_READ)
-        while not store.all_done() and not signals.received:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while not store.all_done() and len(signals.received) == num_signals:
+            now = time.monotonic()
+            lost = lost_node_record(watch, store.node_rank, now) if watch else None
+            if lost is not None:
+                store.publish_stop(lost)
+                return lost
+            if now >= deadline:
                 logger.warning("not every node finished within %gs; closing the store",
                                timeout_s)
-                return
-            sel.select(min(remaining, STORE_POLL_S / 2))
+                return None
+            if sel.select(min(deadline - now, STORE_POLL_S / 2)):
+                signals.drain()  # a wake-up byte; the signal itself is in signals.received
+    return None

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import select
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -69,14 +69,6 @@ def launched_data_parallel_size(requested: int) -> int:
     return world
 
 
-def front_end_host(master_addr: str, master_port: int) -> str:
-    """This node's address on the route to ``master_addr`` (the interface the other ranks can
-    reach it by); ``127.0.0.1`` for a loopback master."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(master_addr), master_port or 1))  # no packet is sent
-        return s.getsockname()[0]
-
-
 def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
     """The front end's DP client: bind on this node, tell rank 0 the endpoints, wait for the
     ranks' ready messages.
@@ -88,6 +80,7 @@ def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
     """
     from atom.dp.dp_client import DPEngineCoreClient, LaunchedRanks
     from atom.dp.groups import RankInfo
+    from atom.dp.node_address import route_source_address
 
     info = RankInfo.from_env()
     if config.dp_load_balance == "cache_aware" and info.local_world_size != info.dp_size:
@@ -99,7 +92,8 @@ def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
         with os.fdopen(fd, "w") as pipe:
             pipe.write(json.dumps({"output": output_addr, "inputs": input_addrs}) + "\n")
 
-    ranks = LaunchedRanks(front_end_host(info.master_addr, info.master_port), announce)
+    # this node's address as the other nodes reach it (127.0.0.1 for a loopback master)
+    ranks = LaunchedRanks(route_source_address(info.master_addr, info.master_port), announce)
     return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos_token_ids, ranks=ranks)
 
 
@@ -127,6 +121,7 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
     install_signal_handlers()  # the launcher decides; SIGTERM stops us
     info = RankInfo.from_env()
     timeout_s = config.dp_group_timeout_s
+    master = dict(master_addr=info.master_addr)  # endpoints must be reachable from every node
     front_end, announcements = _start_front_end(argv) if info.rank == 0 else (None, None)
     try:
         extra_eos = () if config.skip_tokenizer_init else tokenizer_eos_token_ids(
@@ -135,14 +130,19 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
         def endpoints(groups) -> tuple[str, str]:
             if front_end is not None:
                 announced = _read_announcement(announcements, front_end, timeout_s=timeout_s)
-                publish_endpoint(groups.store, _OUTPUT_KEY, announced["output"])
+                publish_endpoint(groups.store, _OUTPUT_KEY, announced["output"], **master)
                 for rank, address in enumerate(announced["inputs"]):
-                    publish_endpoint(groups.store, _input_key(rank), address)
-            return (lookup_endpoint(groups.store, _input_key(info.dp_rank), timeout_s=timeout_s),
-                    lookup_endpoint(groups.store, _OUTPUT_KEY, timeout_s=timeout_s))
+                    publish_endpoint(groups.store, _input_key(rank), address, **master)
+            return (lookup_endpoint(groups.store, _input_key(info.dp_rank), timeout_s=timeout_s,
+                                    **master),
+                    lookup_endpoint(groups.store, _OUTPUT_KEY, timeout_s=timeout_s, **master))
 
         run_dp_rank(config, extra_eos_token_ids=extra_eos, endpoints=endpoints,
                     front_end=front_end)
+        # the ranks stopped together: the launcher's SIGTERM that may still come (another
+        # node's launcher signals a moment after node 0's) must not make this clean exit a
+        # death by signal (SIG_IGN, unlike a Python handler, lasts through interpreter exit)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
         if front_end is not None and front_end.poll() is None:

@@ -21,7 +21,8 @@ from atom.launch import env as launch_env
 from atom.launch.endpoints import endpoint_key, lookup_endpoint, publish_endpoint
 from atom.launch.errors import read_error_file, record_errors, write_error_file
 from atom.launch.launcher import CLI_MODULE, LaunchConfig, parse_config, worker_argv, worker_env
-from atom.launch.rendezvous import LaunchStore, StopRecord
+from atom.launch.rendezvous import LaunchStore, NodeWatch, StopRecord
+from atom.launch.supervisor import Outcome, StopSignals, lost_node_record, wait_for_other_nodes
 from atom.launch.workers import (
     WorkerFailure,
     WorkerProcess,
@@ -164,13 +165,32 @@ def test_record_errors_writes_exceptions_but_not_system_exit(tmp_path, monkeypat
 
 def test_endpoint_exchange_through_a_store():
     store = dist.HashStore()
-    publish_endpoint(store, "engine_core/1/input", "tcp://10.0.0.2:5555")
+    remote = dict(master_addr="10.0.0.1")
+    publish_endpoint(store, "engine_core/1/input", "tcp://10.0.0.2:5555", **remote)
     assert store.get("atom/endpoint/engine_core/1/input") == b"tcp://10.0.0.2:5555"
-    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1) == "tcp://10.0.0.2:5555"
-    publish_endpoint(store, "engine_core/1/input", "ipc:///tmp/atom-1")  # a restart replaces it
-    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1) == "ipc:///tmp/atom-1"
+    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1, **remote) == "tcp://10.0.0.2:5555"
+    local = dict(master_addr="127.0.0.1")  # every node is this machine: ipc goes
+    publish_endpoint(store, "engine_core/1/input", "ipc:///tmp/atom-1", **local)  # replaces it
+    assert lookup_endpoint(store, "engine_core/1/input", timeout_s=1, **local) == "ipc:///tmp/atom-1"
     with pytest.raises(TimeoutError, match="atom/endpoint/engine_core/2/input"):
-        lookup_endpoint(store, "engine_core/2/input", timeout_s=0.2)
+        lookup_endpoint(store, "engine_core/2/input", timeout_s=0.2, **remote)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://127.1.2.3:5555",
+                                     "tcp://localhost:5555", "tcp://[::1]:5555",
+                                     "ipc:///tmp/atom-1", "inproc://front"])
+def test_an_endpoint_other_hosts_cannot_reach_is_refused_when_the_master_is_remote(address):
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="local to one host, but MASTER_ADDR=10.0.0.1 is not "
+                                         "loopback"):
+        publish_endpoint(store, "dp/front_end/output", address, master_addr="10.0.0.1")
+    assert not store.check(["atom/endpoint/dp/front_end/output"])
+    # a node started with a loopback --master-addr publishes it; its remote peers refuse it
+    publish_endpoint(store, "dp/front_end/output", address, master_addr="127.0.0.1")
+    with pytest.raises(ValueError, match="'dp/front_end/output' is local to one host"):
+        lookup_endpoint(store, "dp/front_end/output", timeout_s=1, master_addr="10.0.0.1")
+    assert lookup_endpoint(store, "dp/front_end/output", timeout_s=1,
+                           master_addr="localhost") == address
 
 
 @pytest.mark.parametrize("key, address, match", [
@@ -182,7 +202,7 @@ def test_endpoint_exchange_through_a_store():
 ])
 def test_endpoint_validation(key, address, match):
     with pytest.raises(ValueError, match=match):
-        publish_endpoint(dist.HashStore(), key, address)
+        publish_endpoint(dist.HashStore(), key, address, master_addr="10.0.0.1")
 
 
 def test_endpoint_key_prefix():
@@ -235,6 +255,55 @@ def test_launch_store_join_stop_and_exit_barrier():
     gc.collect()  # the server goes with its owner: node 1 now reports the store as lost
     lost = node1.remote_stop()
     assert lost is not None and "lost the rendezvous store" in lost.reason
+
+
+def _three_node_stores():
+    host = LaunchStore.open(master_addr="127.0.0.1", master_port=0, node_rank=0, nnodes=3,
+                            timeout_s=10)
+    others = [LaunchStore.open(master_addr="127.0.0.1", master_port=host.port, node_rank=r,
+                               nnodes=3, timeout_s=10) for r in (1, 2)]
+    return host, others
+
+
+def test_node_watch_finds_the_node_whose_heartbeat_stopped():
+    host, (node1, node2) = _three_node_stores()
+    watch = NodeWatch(host, node_timeout_s=10.0, now=100.0)  # times are node 0's clock
+    node1.beat()
+    node2.beat()
+    assert watch.lost(now=105.0) == []
+    node2.beat()  # node 1 goes silent at 105, node 2 keeps beating
+    assert watch.lost(now=114.0) == []  # 9 s of silence: not yet
+    node2.beat()
+    assert watch.lost(now=116.0) == [(1, 11.0)]
+    record = lost_node_record(watch, 0, now=116.5)
+    assert (record.node_rank, record.lost_node) == (0, 1)
+    assert record.reason.startswith("node 1 is lost: its launcher has not been heard from for "
+                                    "12s (--node-timeout-s 10)")
+    node1.mark_done()  # a node that finished is silent, not lost
+    assert watch.lost(now=200.0) == [(2, 84.0)]
+    host.publish_stop(record)
+    assert node2.remote_stop() == record  # the others stop, reading why
+
+
+def test_node_zero_waits_for_the_others_but_not_for_a_lost_one():
+    host, (node1, node2) = _three_node_stores()
+    watch = NodeWatch(host, node_timeout_s=3.5, now=0.0)  # long ago: both are silent
+    node1.mark_done()
+    with StopSignals() as signals:
+        lost = wait_for_other_nodes(host, signals, timeout_s=30.0, watch=watch)
+    assert lost is not None and lost.lost_node == 2
+    assert node1.remote_stop() == lost
+
+
+def test_a_stop_asked_of_another_node_is_a_requested_stop_here_too():
+    asked = Outcome(remote=StopRecord(node_rank=0, reason="SIGTERM to the launcher of node 0",
+                                      signal=signal.SIGTERM))
+    assert asked.exit_code == 128 + signal.SIGTERM
+    failed = Outcome(remote=StopRecord(node_rank=0, reason="rank 0 failed", rank=0, exit_code=3))
+    assert failed.exit_code == 3
+    lost = Outcome(lost=StopRecord(node_rank=0, reason="node 1 is lost", lost_node=1))
+    assert lost.stopping and lost.exit_code == 1
+    assert StopRecord.from_bytes(asked.remote.to_bytes()) == asked.remote
 
 
 def test_launch_store_refuses_unequal_node_sizes():

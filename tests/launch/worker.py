@@ -65,9 +65,10 @@ def main() -> None:
     info = RankInfo.from_env()
     groups = init_process_groups(info, timeout_s=TIMEOUT_S)
     gathered = C.all_gather_int64([info.rank, info.local_rank], groups.control)
-    publish_endpoint(groups.store, f"test/rank{info.rank}", f"tcp://127.0.0.1:{40000 + info.rank}")
-    endpoints = [lookup_endpoint(groups.store, f"test/rank{r}", timeout_s=TIMEOUT_S)
-                 for r in range(info.world_size)]
+    publish_endpoint(groups.store, f"test/rank{info.rank}", f"tcp://127.0.0.1:{40000 + info.rank}",
+                     master_addr=info.master_addr)
+    endpoints = [lookup_endpoint(groups.store, f"test/rank{r}", timeout_s=TIMEOUT_S,
+                                 master_addr=info.master_addr) for r in range(info.world_size)]
     _write(os.path.join(out_dir, f"rank{info.rank}.pid"), str(os.getpid()))
     fail_rank = os.environ.get("ATOM_TEST_FAIL_RANK")
     fail_mode = os.environ.get("ATOM_TEST_FAIL_MODE", "raise")

@@ -200,6 +200,11 @@ class AsyncEngine:
             self._streams.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
         else:
+            # a caller that timed out (a slow /health or /metrics under load) cancelled its
+            # future: nobody waits for the answer, and setting one would raise here, on the
+            # engine thread, and stop the server
+            if not command.future.set_running_or_notify_cancel():
+                return
             try:
                 command.future.set_result(command.fn(self.engine))
             except Exception as exc:  # the caller gets it; a dead core also ends this thread

@@ -6,8 +6,9 @@ Two sources:
   labelled ``dp_rank``: running and waiting sequences, KV cache usage (blocks with ref count > 0
   over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
   (tokens) and their hit rate, preemptions, aborted and front-end-finished sequences, KV event
-  batches published and dropped (when the ranks publish), and, with data parallelism, the
-  cross-rank prefill policy's decisions per reason (``atom:prefill_policy_decisions``,
+  batches published and dropped (when the ranks publish), and, with data parallelism, the DP
+  loop's ticks and forward steps (dummy, prefill, mixed-prefill, TBO), the cross-rank prefill
+  policy's decisions per reason (``atom:prefill_policy_decisions``,
   labelled ``policy`` and ``reason``; they sum to its decisions), its hold rate and its longest
   run of holds (with the delayer, also under the names that predate the other policies:
   ``atom:prefill_delayer_decisions``, ``atom:prefill_delayer_hold_rate``), and the DP router's
@@ -58,6 +59,14 @@ _ENGINE_COUNTERS = (
      "KV event batches the rank published (one per step with events)."),
     ("atom:kv_events_dropped_batches", "kv_events_dropped_batches",
      "KV event batches dropped unsent because the publisher's queue was full."),
+    # the DP loop's (DP ranks only; every rank counts the group's steps, so they agree)
+    ("atom:dp_ticks", "tick", "DP ticks (control syncs) of the rank."),
+    ("atom:dp_steps", "num_steps", "Forward steps of the DP group."),
+    ("atom:dp_dummy_steps", "num_dummy_steps", "Dummy batches this rank ran (no work of its own)."),
+    ("atom:dp_prefill_steps", "num_prefill_steps", "Group steps where some rank prefilled."),
+    ("atom:dp_mixed_prefill_steps", "num_mixed_prefill_steps",
+     "Group steps where some rank prefilled and another did not."),
+    ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
 )
 _ROUTER_PREFIX = "dp_router_decisions_"
 # (metric name, front-end stats key, help): the DP router's KV event subscriber
@@ -114,8 +123,8 @@ class _EngineCollector:
         for name, key, doc in _ENGINE_COUNTERS:
             family = CounterMetricFamily(name, doc, labels=labels)
             for values, s in rows:
-                if key in s or not key.startswith("kv_events_"):  # events: only when on
-                    family.add_metric(values, s.get(key, 0))
+                if key in s:  # KV events only when on, the dp_* ones only on DP ranks
+                    family.add_metric(values, s[key])
             yield family
         yield from self._policy_families(labels, rows)
         yield _per_reason("atom:dp_router_decisions",
