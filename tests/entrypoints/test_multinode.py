@@ -98,7 +98,7 @@ def _rank(dp_rank: int, steps: int) -> dict:
             "num_running": 1, "num_waiting": 2, "num_preemptions": 0, "tick": steps + 3,
             "num_steps": steps, "num_dummy_steps": dp_rank, "num_prefill_steps": 2,
             "num_mixed_prefill_steps": 1, "num_tbo_steps": 0, "prefix_cache_queries": 64,
-            "prefix_cache_hits": 16, "prefill_delayer_hold": 3}
+            "prefix_cache_hits": 16, "prefill_policy_decisions_hold": 3}
 
 
 def test_per_rank_reads_the_servers_metrics_rendering():
@@ -109,7 +109,7 @@ def test_per_rank_reads_the_servers_metrics_rendering():
     assert ranks[0]["dp_ticks"] == 43 and ranks[0]["num_kv_blocks_used"] == 8
     assert ranks[0]["num_kv_blocks_total"] == 128  # a gauge: its name stays whole
     assert ranks[0]["kv_cache_usage_perc"] == pytest.approx(8 / 128)
-    assert ranks[0]["prefill_delayer_decisions.hold"] == 3
+    assert ranks[0]["prefill_policy_decisions.hold"] == 3
     one_rank = per_rank(ServerMetrics("m").render([{"num_total_blocks": 8}]).decode())
     assert "dp_steps" not in one_rank[0]  # the DP loop's series only on DP ranks
 
