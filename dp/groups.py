@@ -95,7 +95,11 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
     info = rank_info
     timeout = datetime.timedelta(seconds=timeout_s)
     store = rendezvous_store(info, timeout_s=timeout_s)
-    dist.init_process_group("gloo", store=dist.PrefixStore(_TORCH_STORE_PREFIX, store),
+    # a launcher's store outlives a restart of the group: each start rendezvous under keys of
+    # its own, never reading the previous group's
+    prefix = (_TORCH_STORE_PREFIX if info.restart_count == 0
+              else f"{_TORCH_STORE_PREFIX}/restart{info.restart_count}")
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store),
                             rank=info.rank, world_size=info.world_size, timeout=timeout)
     # new_group is itself a collective over the store: every rank creates the same groups in
     # the same order
@@ -108,8 +112,8 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
     process_collective_log().attach_store(store, rank=info.rank, world_size=info.world_size,
                                           group_timeout_s=timeout_s)
     rank_logger(logger, info.dp_rank).info(
-        "process groups ready: rank %d/%d, local rank %d/%d, device backend %s, timeout %.0fs",
-        info.rank, info.world_size, info.local_rank, info.local_world_size, device_backend,
-        timeout_s)
+        "process groups ready: rank %d/%d, local rank %d/%d, device backend %s, timeout %.0fs, "
+        "start %d of the group", info.rank, info.world_size, info.local_rank,
+        info.local_world_size, device_backend, timeout_s, info.restart_count)
     return DPGroups(rank_info=info, store=store, control=control, device=device,
                     device_backend=device_backend, timeout_s=timeout_s)
