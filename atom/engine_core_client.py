@@ -442,6 +442,9 @@ class MPClient(EngineCoreClient):
         """
         successor = self.ranks.successor(error, policy=self.config.on_rank_failure)
         if successor is None:
+            # nothing will run on the survivors any more: free them now (their collectives
+            # would otherwise wait on the lost rank until the group timeout)
+            self.ranks.kill(list(range(self.num_ranks)))
             raise EngineDeadError(f"{error} (on_rank_failure={self.config.on_rank_failure}: "
                                   f"the deployment stays down)") from error
         started = time.monotonic()

@@ -46,6 +46,16 @@ def heartbeat_interval_s(hang_timeout_s: float) -> float:
     return min(_MAX_HEARTBEAT_INTERVAL_S, hang_timeout_s / _HEARTBEATS_PER_TIMEOUT)
 
 
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (for processes that are not our
+    children, which we cannot ``wait()`` on)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class EngineDeadError(RuntimeError):
     """An engine-core process exited (or hung) while the front end still needed it, and the
     deployment cannot go on (the message says which rank and why)."""

@@ -38,6 +38,7 @@ import msgspec
 from atom.config import EngineConfig
 from atom.dp.router import CacheAwareSettings, DPRouter
 from atom.engine_core_client import MPClient
+from atom.liveness import pid_running
 from atom.kv_subscriber import KVEventSubscriber, PublisherEndpoints, connectable_endpoint, \
     wire_block_hashes
 from atom.messages import (
@@ -270,7 +271,7 @@ class LaunchedRanks:
                         f"exited; its error is in the launcher's report")]
         return [(rank, f"process {pid} (dp rank {rank}) exited; its error is in the "
                        f"launcher's report") for rank, pid in enumerate(self.pids)
-                if not _pid_running(pid)]
+                if not pid_running(pid)]
 
     def dead_message(self) -> str | None:
         exited = self.exited()
@@ -281,7 +282,7 @@ class LaunchedRanks:
         if self.max_restarts == 0:
             return
         for rank in dp_ranks:
-            if rank < len(self.pids) and _pid_running(self.pids[rank]):
+            if rank < len(self.pids) and pid_running(self.pids[rank]):
                 os.kill(self.pids[rank], signal.SIGKILL)
 
     def successor(self, error, *, policy: str) -> LaunchedRanks | None:
@@ -299,7 +300,7 @@ class LaunchedRanks:
         """Wait (bounded) until every process of the lost group is gone: the launcher stops
         them before it starts the next group."""
         deadline = time.monotonic() + _ABANDON_TIMEOUT_S
-        while any(_pid_running(p) for p in self.pids) and time.monotonic() < deadline:
+        while any(pid_running(p) for p in self.pids) and time.monotonic() < deadline:
             time.sleep(0.1)  # polling processes that are not our children (no wait() on them)
         self.pids = []
 
@@ -311,12 +312,3 @@ class LaunchedRanks:
 
 
 _ABANDON_TIMEOUT_S = 60.0  # above the launcher's SIGTERM → SIGKILL grace (--term-timeout-s)
-
-
-def _pid_running(pid: int) -> bool:
-    """Whether process ``pid`` (not our child) exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

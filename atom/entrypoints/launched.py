@@ -48,9 +48,6 @@ logger = logging.getLogger(__name__)
 
 # Set in the front end's environment by rank 0: the pipe (fd) to write its endpoints to.
 FRONT_END_FD_ENV = "ATOM_FRONT_END_FD"
-# Set by `atom launch --max-restarts` (atom.launch.launcher's env contract): where rank 0
-# writes the front end's pid; the front end then outlives restarts of the group.
-FRONT_END_PID_FILE_ENV = "ATOM_FRONT_END_PID_FILE"
 _OUTPUT_KEY = "dp/front_end/output"
 
 
@@ -158,12 +155,13 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
                     front_end=front_end)
     except ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
-        # with restarts the front end outlives the group: the launcher decides its end
-        if front_end is not None and front_end.poll() is None and info.max_restarts == 0:
+        if front_end is not None and front_end.poll() is None and not info.max_restarts:
             front_end.terminate()
         return 0
     except BaseException:
-        if front_end is not None and front_end.poll() is None:
+        # with restarts the front end outlives the group (a peer's death fails this rank's
+        # collectives first): the launcher decides its end
+        if front_end is not None and front_end.poll() is None and not info.max_restarts:
             front_end.kill()
         raise
     finally:
@@ -185,6 +183,8 @@ def _start_front_end(argv: list[str]):
     --max-restarts`` (``ATOM_FRONT_END_PID_FILE`` set) it runs in a session of its own, so that
     stopping this rank's process group for a restart leaves it running, and its pid goes to
     that file for the launcher, which stops it at the end."""
+    from atom.launch.env import FRONT_END_PID_FILE_ENV
+
     read_fd, write_fd = os.pipe()
     env = {**os.environ, FRONT_END_FD_ENV: str(write_fd)}
     pid_file = os.environ.get(FRONT_END_PID_FILE_ENV, "")
