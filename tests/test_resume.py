@@ -14,8 +14,6 @@ from atom.engine_core import EngineCore
 from atom.messages import EngineCoreRequest, ResumedChoice
 from atom.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
-
 PROMPT = list(range(200, 230))
 MAX_STEPS = 200  # a request of a dozen tokens finishes well within this many steps
 

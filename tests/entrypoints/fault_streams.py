@@ -14,7 +14,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MODEL, RemoteServer
+from tests.entrypoints.remote_server import MODEL, RemoteServer
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
 MAX_TOKENS = 16

@@ -11,8 +11,7 @@ import signal
 
 import pytest
 
-from conftest import API_KEY, RemoteServer
-from fault_streams import (
+from tests.entrypoints.fault_streams import (
     PROMPTS,
     check_resumed,
     check_serves_new_requests,
@@ -23,8 +22,7 @@ from fault_streams import (
     start_streams,
     wait_no_kv_in_use,
 )
-
-pytestmark = pytest.mark.xdist_group("multiproc")
+from tests.entrypoints.remote_server import API_KEY, RemoteServer
 
 
 @pytest.fixture(scope="module")

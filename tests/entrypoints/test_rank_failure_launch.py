@@ -9,10 +9,8 @@ from __future__ import annotations
 import signal
 
 import psutil
-import pytest
 
-from conftest import API_KEY, RemoteServer
-from fault_streams import (
+from tests.entrypoints.fault_streams import (
     PROMPTS,
     health,
     kill_signal,
@@ -21,8 +19,7 @@ from fault_streams import (
     start_streams,
     wait_streams,
 )
-
-pytestmark = pytest.mark.xdist_group("multiproc")
+from tests.entrypoints.remote_server import API_KEY, RemoteServer
 
 EXIT_DEADLINE_S = 90.0  # liveness: the launcher gives up and exits within this
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
-from conftest import API_KEY, MODEL, RemoteServer
-from fault_streams import PROMPTS, engine_cores, health, kill_signal, start_streams, wait_streams
-
-pytestmark = pytest.mark.xdist_group("multiproc")
+from tests.entrypoints.fault_streams import (
+    PROMPTS,
+    engine_cores,
+    health,
+    kill_signal,
+    start_streams,
+    wait_streams,
+)
+from tests.entrypoints.remote_server import API_KEY, MODEL, RemoteServer
 
 HANG_TIMEOUT_S = 4.0
 
