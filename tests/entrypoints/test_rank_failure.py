@@ -3,15 +3,19 @@ a hung rank (SIGSTOP) and then a dead one (SIGKILL) during streaming requests. E
 front end starts a fresh group of two ranks and resumes every in-flight request from its
 prompt plus the tokens already streamed: every stream completes, its greedy text equals an
 undisturbed run's, no request waits for the group timeout (600 s), new requests succeed,
-``/health`` reports the new membership, and no KV block stays in use.
+``/health`` reports the new membership, and no KV block stays in use. Each new group logs
+the membership change at its tick 0 on every rank: in the lockstep check's log line and as an
+event in its own folder of the per-tick trace (the lost group's trace is kept).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
 
+from atom.dp.dp_trace import generation_folder, read_trace
 from tests.entrypoints.fault_streams import (
     PROMPTS,
     check_resumed,
@@ -30,12 +34,19 @@ HANG_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--on-rank-failure", "replace", "--engine-hang-timeout-s",
-                       str(HANG_TIMEOUT_S), "--num-kv-blocks", "64", "--max-model-len", "256",
-                       api_key=API_KEY, data_parallel_size=2)
-    yield srv
-    assert srv.stop() == 0
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("rank_failure")
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    with open(folder / "server.stderr", "w") as stderr:
+        srv = RemoteServer("--on-rank-failure", "replace", "--engine-hang-timeout-s",
+                           str(HANG_TIMEOUT_S), "--num-kv-blocks", "64", "--max-model-len",
+                           "256", "--dp-trace", str(folder / "trace"), api_key=API_KEY,
+                           data_parallel_size=2, stderr=stderr)
+        yield srv
+        assert srv.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +85,25 @@ def test_dead_rank_is_replaced_and_every_stream_completes(server, reference):
     assert resumed >= 2, resumed  # streams were in flight at both faults
     assert samples(server, "atom:rank_recoveries_total")[0][1] == 2
     assert samples(server, "atom:dp_size")[0][1] == 2
+
+
+def test_each_new_group_logs_the_membership_change_at_tick_0_on_every_rank(server, folder):
+    """After the two recoveries above: generations 1 and 2 (two ranks each) each logged it
+    once per rank, at tick 0, in the log and in their trace; generation 0's trace is kept."""
+    log = (folder / "server.stderr").read_text()
+    # a set: a lost rank's stderr tail, quoted in the failure's messages, repeats its lines
+    changes = set(re.findall(r"\[dp(\d)\] membership change at tick (\d+): generation (\d+) "
+                             r"runs (\d+) rank\(s\); the lockstep check agrees", log))
+    assert changes == {("0", "0", "1", "2"), ("0", "0", "2", "2"), ("1", "0", "1", "2"),
+                       ("1", "0", "2", "2")}, changes
+    trace = folder / "trace"
+    assert [t.events for t in read_trace(trace)] == [[], []]  # the first group's, not overwritten
+    for generation in (1, 2):
+        ranks = read_trace(generation_folder(trace, generation))
+        assert [t.header["generation"] for t in ranks] == [generation] * 2
+        for t in ranks:
+            (event,) = t.events
+            assert (event["event"], event["tick"], event["generation"], event["dp_size"]) == \
+                ("membership_change", 0, generation, 2), event
+            assert t.rows and t.rows[0]["tick"] == 0, t.rows[:1]
+        assert len({t.events[0]["num_collectives"] for t in ranks}) == 1  # the same on both

@@ -51,4 +51,6 @@ def test_max_restarts_restarts_the_group_once_then_fails_with_the_report(tmp_pat
     report = log.read()
     assert "restarting every rank (restart 1 of 1)" in report, report[-3000:]
     assert report.count("rank 1 (node 0, pid") == 2, report[-3000:]  # both failures reported
+    for rank in (0, 1):  # the restarted group logged its membership at tick 0 on every rank
+        assert f"[dp{rank}] membership change at tick 0: generation 1 runs 2 rank(s)" in report
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
