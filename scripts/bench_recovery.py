@@ -8,11 +8,13 @@ fresh server each: run ``--num-requests`` greedy prompts once undisturbed (the r
 then stream them all at once and, when every stream has its first token, send the fault to
 DP rank 1's engine core. Measured:
 
-- outage: from the fault to the first token after it on any stream (what clients see);
+- outage: from the fault to the end of the longest pause in the token flow of all streams
+  together (what clients see; tokens already computed may still arrive just after the fault,
+  so the first token after it is not the end of the outage);
 - recovery: the server's ``atom:rank_recovery_last_seconds`` (from the failure's detection
   to the new group's ready messages: process start, weights, rendezvous);
 - detection + resume: outage - recovery (for ``stop`` about the hang timeout);
-- worst stall: the longest any stream waited for its next token across the fault;
+- worst stall: the longest any stream waited for its next token after the fault;
 - requests resumed (``atom:resumed_requests``), streams whose text equals the reference,
   streams that ended with an error.
 
@@ -107,6 +109,16 @@ def _rank1_core(proc) -> psutil.Process:
     raise RuntimeError("no engine core of dp rank 1")
 
 
+def _longest_pause_end(times_s: list[float], fault_s: float) -> float:
+    """When tokens flowed again after the longest pause (from the fault on) in ``times_s``,
+    the arrival times of every stream's tokens (NaN: none came after the fault)."""
+    after = sorted(t for t in times_s if t > fault_s)
+    if not after:
+        return float("nan")
+    points = [fault_s, *after]
+    return max(zip(points, points[1:]), key=lambda gap: gap[1] - gap[0])[1]
+
+
 def run_scenario(policy: str, fault: str, args: argparse.Namespace) -> dict:
     server_args = (f"{args.server_args} --on-rank-failure {policy} "
                    f"--engine-hang-timeout-s {args.hang_timeout_s}")
@@ -124,10 +136,8 @@ def run_scenario(policy: str, fault: str, args: argparse.Namespace) -> dict:
         fault_s = time.monotonic()
         for s in streams:
             s.join(_STREAM_TIMEOUT_S)
-        after = [min((t for t in s.times_s if t > fault_s), default=None) for s in streams]
-        stalls = [t - max((u for u in s.times_s if u <= fault_s), default=fault_s)
-                  for s, t in zip(streams, after) if t is not None]
-        outage_s = min((t for t in after if t is not None), default=float("nan")) - fault_s
+        outage_s = _longest_pause_end([t for s in streams for t in s.times_s], fault_s) - fault_s
+        stalls = [b - a for s in streams for a, b in zip(s.times_s, s.times_s[1:]) if b > fault_s]
         recovery_s = _metric(url, "atom:rank_recovery_last_seconds")
         return {"outage_s": outage_s, "recovery_s": recovery_s,
                 "detect_and_resume_s": outage_s - recovery_s,
