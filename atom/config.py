@@ -7,6 +7,7 @@ Values found at run time (number of KV blocks, EOS ids) are not here: they live 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -18,6 +19,8 @@ DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
 # loopback, OS-chosen ports (each rank reports its bound endpoints in its ready message)
 PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
 PREFILL_POLICIES = ("delayer", "coalescer", "none")
+ON_RANK_FAILURE = ("shrink", "replace", "stop")
+MIN_ENGINE_HANG_TIMEOUT_S = 2.0  # heartbeats come every timeout / 5 s, at most 1 s apart
 # options that were replaced: the old name fails with a message that says what to use
 _REPLACED_OPTIONS = {
     "prefill_delayer": "use prefill_policy='delayer' or 'none' "
@@ -130,6 +133,23 @@ class EngineConfig:
     """Seconds a DP collective (and the rendezvous) may wait for its peers before it fails:
     a rank that never shows up, or stops in the middle of a tick, fails the others after this
     long instead of hanging them (gloo's and NCCL's default is 10 minutes too)."""
+    engine_hang_timeout_s: float = 60.0
+    """Seconds without a heartbeat from an engine-core process after which the front end
+    declares it hung (a stopped process, or one frozen in native code holding the GIL). The
+    heartbeat comes from a thread of its own, so a long but progressing step (torch releases
+    the GIL) never trips it. Well under dp_group_timeout_s: a hung rank is found long before
+    the collectives waiting for it would fail."""
+    on_rank_failure: str = "shrink"
+    """What the front end does when an engine-core process it started dies or hangs: shrink
+    (start a fresh group without the lost rank: it needs nothing the failure may have taken,
+    such as that rank's device, and repeated failures converge), replace (a fresh group of
+    the same size: full capacity back, but a rank whose slot is broken fails again) or stop
+    (fail every in-flight request and stay down: 503). Under atom launch the launcher's
+    --max-restarts decides instead."""
+    resume_on_rank_failure: bool = True
+    """After a rank failure, continue every in-flight request on the new group from its prompt
+    plus the tokens already streamed (greedy text is that of an undisturbed run); off: they end
+    with finish_reason="error"."""
     enable_expert_parallel: bool = False
     """Shard the experts of MoE layers across the DP ranks (tokens travel to the ranks owning
     their experts and back inside every forward); needs an MoE model."""
@@ -164,6 +184,12 @@ class EngineConfig:
         self.resolved_kv_events()  # builds (so validates) the publisher settings
         if not self.dp_group_timeout_s > 0:
             raise ValueError(f"dp_group_timeout_s={self.dp_group_timeout_s} must be > 0 (seconds)")
+        if not self.engine_hang_timeout_s >= MIN_ENGINE_HANG_TIMEOUT_S:
+            raise ValueError(f"engine_hang_timeout_s={self.engine_hang_timeout_s} must be at least "
+                             f"{MIN_ENGINE_HANG_TIMEOUT_S:g} seconds (a few heartbeats)")
+        if self.on_rank_failure not in ON_RANK_FAILURE:
+            raise ValueError(f"on_rank_failure={self.on_rank_failure!r} is not supported: use one "
+                             f"of {ON_RANK_FAILURE}")
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         self._check_prefill_policy()
@@ -240,6 +266,25 @@ class EngineConfig:
                               topic=self.kv_events_topic, buffer_size=self.kv_events_buffer_size,
                               max_queue_size=self.kv_events_max_queue_size,
                               hwm=self.kv_events_hwm)
+
+    def with_data_parallel_size(self, num_ranks: int) -> "EngineConfig":
+        """This config for a group of ``num_ranks`` ranks (a deployment shrunk by a rank
+        failure keeps running the DP loop). At one rank the options that need data parallelism
+        (:meth:`_check_prefill_policy`) are turned off, with a warning: the prefill policy
+        (nothing to align with), the decode interval and the trace."""
+        changes: dict[str, Any] = {"data_parallel_size": num_ranks}
+        if num_ranks == 1:
+            off = {"prefill_policy": (None, "none"), "prefill_decode_interval": (0,),
+                   "dp_trace": (None,)}
+            dropped = {k: v[0] for k, v in off.items() if getattr(self, k) not in v}
+            if dropped:
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "one rank left: %s no longer apply", ", ".join(
+                        f"{k}={getattr(self, k)!r}" for k in dropped))
+            changes.update(dropped)
+        return dataclasses.replace(self, **changes)
 
     def resolved_prefill_policy(self) -> str:
         """The prefill policy this config runs ("delayer", "coalescer" or "none"; None =

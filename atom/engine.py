@@ -13,17 +13,29 @@ the token ids:
   collects what they produced.
 
 Every client speaks the one interface, so the front-end logic is one code path.
+
+Rank failures (docs/ARCHITECTURE.md, "Rank failures"): when the client reports lost ranks
+(:class:`~atom.liveness.RankFailedError`, from any call), the engine asks it to
+:meth:`~atom.engine_core_client.EngineCoreClient.recover` (a fresh group, or
+:class:`~atom.liveness.EngineDeadError` when the deployment cannot go on, which propagates),
+then sends every unfinished request again from what its output processor holds: the prompt
+plus each choice's tokens so far (``resume_on_rank_failure``; else they end with
+``finish_reason="error"``). The caller's streams go on where they stopped, no token repeated
+or lost. :attr:`LLMEngine.status` says which of serving / recovering / dead the engine is in.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
 from atom.config import EngineConfig
 from atom.engine_core_client import EngineCoreClient, InprocClient
+from atom.liveness import EngineDeadError, RankFailedError
 from atom.messages import EngineCoreRequest, EngineRuntime
 from atom.output_processor import OutputProcessor
 from atom.outputs import RequestOutput
@@ -31,7 +43,31 @@ from atom.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine"]
 
+logger = logging.getLogger(__name__)
+
 _STEP_WAIT_S = 1.0  # multiprocess step(): the longest it waits for the core before returning []
+# rank failures a request is resumed after; at the next it fails instead (a request that
+# takes its ranks down with it must not do so forever)
+MAX_RESUMES_PER_REQUEST = 2
+SERVING, RECOVERING, DEAD = "serving", "recovering", "dead"
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Where the engine stands, replaced (never mutated) by the thread that drives the engine,
+    so any thread may read :attr:`LLMEngine.status`.
+
+    Attributes:
+        state: :data:`SERVING`, :data:`RECOVERING` (a rank failed; a new group is starting)
+            or :data:`DEAD`.
+        message: the failure, for people (None while serving without one).
+        membership: the client's :meth:`~atom.engine_core_client.EngineCoreClient.membership`
+            when the status was set.
+    """
+
+    state: str = SERVING
+    message: str | None = None
+    membership: dict = field(default_factory=dict)
 
 
 def tokenizer_eos_token_ids(tokenizer) -> tuple[int, ...]:
@@ -81,6 +117,9 @@ class LLMEngine:
         self.runtime: EngineRuntime = self.client.runtime
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished here, not by a core step
+        self.status = EngineStatus(membership=self.client.membership())
+        self.num_resumed_requests = 0  # sent again after rank failures
+        self.num_unresumed_requests = 0  # failed by rank failures instead
 
     # ----- in-process internals (tests) -----
 
@@ -132,6 +171,8 @@ class LLMEngine:
         try:
             self.client.add_request(request, data_parallel_rank=data_parallel_rank,
                                     session_id=session_id)
+        except RankFailedError as error:
+            self._recover(error)  # the request is sent with the other unfinished ones
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # not msgpack-able
             self._pending.append(self.output_processor.fail_request(
                 request_id, f"the request cannot be encoded: {exc}"))
@@ -142,8 +183,11 @@ class LLMEngine:
         out = self.output_processor.abort_request(request_id)
         if out is None:
             return
-        self.client.abort([request_id])
         self._pending.append(out)
+        try:
+            self.client.abort([request_id])
+        except RankFailedError as error:
+            self._recover(error)  # the aborted request is no longer unfinished: not resent
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or bool(self._pending)
@@ -163,28 +207,103 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if not self.output_processor.has_unfinished_requests():
             return outputs
-        seq_outputs = self.client.get_outputs(timeout_s=0.0 if outputs else _STEP_WAIT_S)
+        try:
+            seq_outputs = self.client.get_outputs(timeout_s=0.0 if outputs else _STEP_WAIT_S)
+        except RankFailedError as error:
+            self._recover(error)
+            outputs, self._pending = outputs + self._pending, []
+            return outputs
         processed = self.output_processor.process_outputs(seq_outputs)
-        # a stop string ended these sequences: free their KV before the core's next tick
-        self.client.finish(processed.finish_seq_keys, processed.stop_reasons)
-        return outputs + processed.request_outputs
+        try:
+            # a stop string ended these sequences: free their KV before the core's next tick
+            self.client.finish(processed.finish_seq_keys, processed.stop_reasons)
+        except RankFailedError as error:
+            self._recover(error)  # the choices a stop string ended are not resumed
+        outputs, self._pending = outputs + processed.request_outputs + self._pending, []
+        return outputs
+
+    # ----- rank failures -----
+
+    def _recover(self, error: RankFailedError) -> None:
+        """A new group for ``error`` (module docstring), then every unfinished request sent
+        again; the requests that end instead go to ``_pending``. Another failure while
+        resending starts over with it.
+
+        Raises:
+            EngineDeadError: the deployment cannot go on (``status`` is then ``dead``).
+        """
+        while True:
+            self.status = EngineStatus(RECOVERING, str(error), self.client.membership())
+            try:
+                self.client.recover(error)
+            except EngineDeadError as dead:
+                self.status = EngineStatus(DEAD, str(dead), self.client.membership())
+                raise
+            try:
+                self._resend(error)
+            except RankFailedError as again:
+                error = again
+                continue
+            self.status = EngineStatus(SERVING, f"recovered from: {error}",
+                                       self.client.membership())
+            return
+
+    def _resend(self, error: RankFailedError) -> None:
+        op = self.output_processor
+        if not self.config.resume_on_rank_failure:
+            failed = [op.fail_on_rank_failure(request_id, f"{error}; the request was in flight "
+                                              f"and resume_on_rank_failure is off")
+                      for request_id in op.unfinished_request_ids()]
+            resumable = []
+        else:
+            resumable, failed = op.take_resumable(max_resumes=MAX_RESUMES_PER_REQUEST)
+        self._pending += failed
+        self.num_unresumed_requests += len(failed)
+        for r in resumable:
+            self.client.add_request(EngineCoreRequest(
+                r.request_id, r.prompt_token_ids, r.params, r.arrival_time_s, resumed=r.choices))
+        self.num_resumed_requests += len(resumable)
+        logger.warning("after the rank failure (%s): %d request(s) resumed, %d failed",
+                       error, len(resumable), len(failed))
 
     # ----- stats, lifecycle -----
 
     def get_stats(self) -> dict[str, int]:
         """Counters of the KV pool, queues, prefix cache (cache counters in tokens) and finishes
         from outside the core (``num_aborted_seqs``, ``num_front_end_finished_seqs``), summed
-        over DP ranks."""
-        return self.client.get_stats()
+        over DP ranks, and :meth:`front_end_stats`. A rank failure found on the way is
+        recovered from first (module docstring).
+
+        Raises:
+            EngineDeadError: the deployment cannot go on.
+        """
+        return {**self._call_recovering(self.client.get_stats), **self._front_end_counters()}
 
     def get_rank_stats(self) -> list[dict]:
-        """Each DP rank's stats (one rank: ``[get_stats()]``)."""
-        return self.client.get_rank_stats()
+        """Each DP rank's stats (one rank: ``[get_stats()]``); recovers as :meth:`get_stats`."""
+        return self._call_recovering(self.client.get_rank_stats)
 
     def front_end_stats(self) -> dict:
-        """Counters of the front end that belong to no rank (the DP client's KV event
-        subscriber: ``kv_subscriber_*``); ``{}`` otherwise."""
-        return self.client.front_end_stats()
+        """Counters of the front end that belong to no rank: the client's (rank failures,
+        recoveries, ``dp_size``, ``generation``; the DP client's KV event subscriber:
+        ``kv_subscriber_*``) and ``num_resumed_requests`` / ``num_unresumed_requests``."""
+        return {**self.client.front_end_stats(), **self._front_end_counters()}
+
+    def membership(self) -> dict:
+        """The client's view of the group now (``/health``): generation, DP size, per rank its
+        pid, last tick and heartbeat silence, recent rank failures."""
+        return self.client.membership()
+
+    def _front_end_counters(self) -> dict:
+        return {"num_resumed_requests": self.num_resumed_requests,
+                "num_unresumed_requests": self.num_unresumed_requests}
+
+    def _call_recovering(self, fn):
+        try:
+            return fn()
+        except RankFailedError as error:
+            self._recover(error)
+            return fn()
 
     def client_is_alive(self) -> bool:
         """False once the engine-core process has exited (always True in-process)."""

@@ -28,6 +28,11 @@ KV events: with :meth:`atom.config.EngineConfig.resolved_kv_events` set, the cor
 block manager's events once per step, at the end of :meth:`EngineCore.execute` (and right after
 a prefix-cache reset); the publisher's thread encodes and sends, so a step never waits on it.
 
+A resumed request (``EngineCoreRequest.resumed``, after a rank failure) brings each choice's
+output tokens so far: its sequences start as if preempted by recompute, a seeded one's
+generator is advanced past the tokens already drawn (:class:`~atom.sampler.Sampler`), and
+choices that had finished are not run again.
+
 Sequences finished from outside (:meth:`EngineCore.abort_requests`,
 :meth:`EngineCore.finish_requests`) report nothing: the front end ended them and already knows.
 """
@@ -39,10 +44,10 @@ import torch
 
 from atom.block_manager import BlockManager
 from atom.config import EngineConfig
-from atom.messages import EngineCoreRequest, EngineRuntime, SeqOutput, check_token_ids
+from atom.messages import EngineCoreRequest, EngineRuntime, ResumedChoice, SeqOutput, check_token_ids
 from atom.sampler import Sampler, top_logprobs
 from atom.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from atom.sequence import FinishReason, Sequence
+from atom.sequence import FinishReason, Sequence, SequenceStatus
 from atom.tbo import can_split
 
 logger = logging.getLogger(__name__)
@@ -141,6 +146,12 @@ class EngineCore:
         params = request.sampling_params
         seqs = [Sequence(request.request_id, list(request.prompt_token_ids), params, index=i,
                          arrival_time_s=request.arrival_time_s) for i in range(params.n)]
+        if request.resumed is not None:
+            error = _resume(seqs, request.resumed)
+            if error is not None:
+                self._pending += [_finish_output(seq, FinishReason.ERROR, error=error)
+                                  for seq in seqs]
+                return
         if request.request_id in self._requests:
             # Not registered: the running request of that id must not be disturbed.
             message = f"request_id {request.request_id!r} is already running; use a unique id"
@@ -151,6 +162,8 @@ class EngineCore:
                            if params.prompt_logprobs is not None else None)
         self._requests[request.request_id] = _RequestState(seqs, prompt_logprobs)
         for seq in seqs:
+            if seq.is_finished:  # a resumed choice that had finished before the failure
+                continue
             self.scheduler.add(seq, error=error)  # may reject (too long, empty, bad ids)
             if seq.is_finished:
                 self._pending.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))
@@ -396,6 +409,22 @@ def _start_publisher(config: EngineConfig, dp_rank: int):
         raise RuntimeError(f"dp rank {dp_rank}: cannot bind the KV events endpoints "
                            f"{settings.endpoint} / {settings.replay_endpoint} (offset by the "
                            f"rank): {exc}") from exc
+
+
+def _resume(seqs: list[Sequence], resumed: list[ResumedChoice]) -> str | None:
+    """Give each sequence of a resumed request (:class:`~atom.messages.ResumedChoice`) the
+    output tokens it had: it then runs like a sequence preempted by recompute (prompt and
+    outputs prefilled together, then decoding on). A finished choice is marked finished and
+    not run. Returns an error when ``resumed`` does not match the request's choices."""
+    if len(resumed) != len(seqs):
+        return (f"the resumed request has {len(resumed)} choices' progress for n={len(seqs)}: "
+                f"a front-end bug")
+    for seq, choice in zip(seqs, resumed):
+        seq.token_ids += choice.output_token_ids  # num_prompt_tokens stays the prompt's
+        seq.cumulative_logprob = choice.cumulative_logprob
+        if choice.finished:
+            seq.status = SequenceStatus.FINISHED
+    return None
 
 
 def _finish_output(seq: Sequence, reason: FinishReason | None, *, error: str | None) -> SeqOutput:

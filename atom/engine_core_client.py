@@ -18,35 +18,29 @@ interface, an MP base, DP subclasses that route).
 
 Who starts and watches the core processes is the ``ranks`` object's business:
 
-- :class:`SpawnedRanks` (default): the client starts one ``python -m ENTRY_MODULE`` process per
-  rank on this node, over ``ipc://`` sockets in a fresh temporary folder (so two deployments on
-  one machine never collide), with the rank contract in each environment (RANK=i, WORLD_SIZE=N,
-  LOCAL_RANK=i, LOCAL_WORLD_SIZE=N, MASTER_ADDR=127.0.0.1, a free MASTER_PORT, OMP_NUM_THREADS
-  from :func:`atom.config.resolve_num_threads`), and forwards their stderr line by line;
+- :class:`atom.spawned_ranks.SpawnedRanks` (default): the client starts one process per rank
+  on this node;
 - ``LaunchedRanks`` (:mod:`atom.dp.dp_client`): a launcher started the ranks.
 
 Frames are msgspec msgpack, never pickle.
 
-Liveness: nothing here waits on a core without also watching its process. Every wait polls in
-short slices and asks ``ranks.dead_message()``, so a core that dies at start-up raises
-``RuntimeError`` (rank, exit code and the tail of its stderr) and one that dies later raises
-:class:`EngineDeadError` within a slice (0.1 s) of the next call, never a hang.
+Liveness (:mod:`atom.liveness`): nothing here waits on a core without also watching it. Every
+wait polls in short slices; when no frame but heartbeats came, it asks ``ranks.exited()`` and
+the :class:`~atom.liveness.HeartbeatMonitor`. A core that dies at start-up raises
+``RuntimeError`` (rank, exit code and the tail of its stderr); one that dies later, or sends no
+heartbeat for ``engine_hang_timeout_s``, raises :class:`~atom.liveness.RankFailedError` (an
+:class:`EngineDeadError` naming the ranks) within a slice (0.1 s) of the next call, never a
+hang; a hung one is killed first (its peers' collectives then fail at once). The error sticks
+until :meth:`MPClient.recover` starts a fresh group (docs/ARCHITECTURE.md, "Rank failures"):
+the same size or without the lost ranks, as ``on_rank_failure`` and the ranks object allow;
+the front end then sends its unfinished requests again (:class:`atom.engine.LLMEngine`).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Protocol
@@ -54,8 +48,15 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import zmq
 
-from atom.config import EngineConfig, oversubscription_warning, resolve_num_threads
+from atom.config import EngineConfig
 from atom.kv_subscriber import PublisherEndpoints
+from atom.liveness import (
+    DEAD,
+    EngineDeadError,
+    HeartbeatMonitor,
+    RankFailedError,
+    RankFailure,
+)
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -63,6 +64,7 @@ from atom.messages import (
     EngineCoreRequest,
     EngineRuntime,
     FinishRequests,
+    Heartbeat,
     ReadyMessage,
     SeqOutput,
     Shutdown,
@@ -71,15 +73,18 @@ from atom.messages import (
     decode_output,
     encode,
 )
+from atom.spawned_ranks import SHUTDOWN_GRACE_S, SpawnedRanks, core_argv
 
 if TYPE_CHECKING:
     from atom.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["EngineCoreClient", "EngineDeadError", "InprocClient", "MPClient", "RankFailedError",
+           "RankProcesses", "SpawnedRanks", "core_argv", "merge_rank_results"]
+
 POLL_SLICE_S = 0.1  # how often a wait checks that the core processes are alive
-SHUTDOWN_GRACE_S = 5.0  # after Shutdown, before SIGTERM; and after SIGTERM, before SIGKILL
-_STDERR_TAIL_LINES = 40
+_MAX_FAILURES_KEPT = 8  # rank failures remembered for /health
 
 # get_stats keys that are not summed across ranks by call_utility (the merged view takes the
 # max): per-rank positions and the group's own counters, which every rank holds a copy of (the
@@ -108,10 +113,6 @@ def merge_rank_results(results: list[dict]) -> dict:
         queries = merged["prefix_cache_queries"]
         merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / queries if queries else 0.0
     return merged
-
-
-class EngineDeadError(RuntimeError):
-    """An engine-core process exited while the front end still needed it."""
 
 
 class EngineCoreClient:
@@ -187,8 +188,23 @@ class EngineCoreClient:
         return self.call_utility_per_rank("get_stats")
 
     def front_end_stats(self) -> dict:
-        """Counters of this process that belong to no rank (the DP client's KV event
-        subscriber); no round trip to the cores."""
+        """Counters of this process that belong to no rank (rank failures and recoveries, the
+        DP client's KV event subscriber); no round trip to the cores."""
+        return {}
+
+    def recover(self, error: RankFailedError) -> None:
+        """After ``error``: a fresh group of cores, with nothing in flight (the caller sends
+        its unfinished requests again).
+
+        Raises:
+            EngineDeadError: this deployment cannot go on (``on_rank_failure=stop``, no rank
+                left, a launched group without restarts, or the new group failed to start).
+        """
+        raise EngineDeadError(str(error)) from error
+
+    def membership(self) -> dict:
+        """The group now: generation, DP size, per rank its pid, last tick and heartbeat
+        silence, and the recent rank failures (``/health``); no round trip to the cores."""
         return {}
 
 
@@ -237,13 +253,55 @@ class RankProcesses(Protocol):
 
     def is_alive(self) -> bool: ...
 
+    def exited(self) -> list[tuple[int, str]]:
+        """``(dp rank, what happened)`` of every rank known to have exited."""
+
     def dead_message(self) -> str | None:
         """None while every rank runs; else which one exited, how, and its stderr tail."""
+
+    def kill(self, dp_ranks: list[int]) -> None:
+        """Kill these (hung) ranks now, where this object can."""
+
+    def successor(self, error: RankFailedError, *, policy: str) -> RankProcesses | None:
+        """The ranks of the group after ``error`` under ``on_rank_failure=policy`` (``slots``:
+        one per rank), or None when the deployment cannot go on. Returning ``self`` means the
+        same ranks come back on the same sockets (a launcher restarts them)."""
+
+    def on_ready(self, pids: list[int]) -> None:
+        """Every rank sent its ready message; ``pids`` in rank order."""
+
+    def abandon(self) -> None:
+        """After a failure, before the successor starts: make sure no process of this group
+        is left (spawned: SIGKILL and reap)."""
 
     def stop(self) -> None:
         """After the Shutdown messages: make sure every rank exits."""
 
     def cleanup(self) -> None: ...
+
+
+class _Sockets:
+    """The client's sockets for one group, and the ranks they talk to (what the finalizer
+    releases; it holds no reference to the client)."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.ctx = ctx
+        self.ranks: RankProcesses | None = None
+        self.output: zmq.Socket | None = None
+        self.inputs: list[zmq.Socket] = []
+        self.output_addr, self.input_addrs = "", []
+
+    def bind(self, ranks: RankProcesses, num_ranks: int) -> None:
+        self.ranks = ranks
+        self.output = self.ctx.socket(zmq.PULL)
+        self.inputs = [self.ctx.socket(zmq.PUSH) for _ in range(num_ranks)]
+        self.output_addr = _bind(self.output, ranks.address("output"))
+        self.input_addrs = [_bind(s, ranks.address(f"input{i}")) for i, s in enumerate(self.inputs)]
+
+    def close(self) -> None:
+        for sock in [*self.inputs, *([self.output] if self.output is not None else [])]:
+            sock.close(linger=0)
+        self.output, self.inputs = None, []
 
 
 class MPClient(EngineCoreClient):
@@ -254,6 +312,10 @@ class MPClient(EngineCoreClient):
         extra_eos_token_ids: EOS ids the front end knows besides the model config's.
         startup_timeout_s: how long to wait for every ready message (loading weights), seconds.
         ranks: who starts the processes; default :class:`SpawnedRanks` of ``ENTRY_MODULE``.
+
+    Attributes:
+        generation: groups started before the current one (0 until a recovery).
+        num_ranks, config: the current group's size and options (a shrunk group has fewer).
 
     Raises:
         RuntimeError: a process exited during start-up (rank, exit code and stderr tail in the
@@ -267,26 +329,41 @@ class MPClient(EngineCoreClient):
                  startup_timeout_s: float = 600.0, ranks: RankProcesses | None = None):
         self.config = config
         self.num_ranks = config.data_parallel_size
-        self.ranks = SpawnedRanks(self.ENTRY_MODULE) if ranks is None else ranks
+        self._extra_eos = extra_eos_token_ids
+        self._startup_timeout_s = startup_timeout_s
         self._ctx = zmq.Context()
-        self._output = self._ctx.socket(zmq.PULL)
-        self._inputs = [self._ctx.socket(zmq.PUSH) for _ in range(self.num_ranks)]
-        self._finalizer = weakref.finalize(self, _release, self._ctx, self._inputs, self.ranks)
-        self.output_addr = _bind(self._output, self.ranks.address("output"))
-        self.input_addrs = [_bind(s, self.ranks.address(f"input{i}"))
-                            for i, s in enumerate(self._inputs)]
+        self._sockets = _Sockets(self._ctx)
+        self._finalizer = weakref.finalize(self, _release, self._ctx, self._sockets)
         self._outputs: collections.deque[list[SeqOutput]] = collections.deque()
         # where each rank publishes KV events (from the ready messages; [] when off)
         self.kv_event_publishers: list[PublisherEndpoints] = []
+        self.pids: list[int] = []
         self._utility_results: dict[tuple[int, int], UtilityResult] = {}
         self._call_ids = itertools.count()
+        self._monitor = HeartbeatMonitor(config.engine_hang_timeout_s)
+        self._failed: RankFailedError | None = None  # sticks until recover()
+        self.failures: collections.deque[dict] = collections.deque(maxlen=_MAX_FAILURES_KEPT)
+        self.generation = 0
+        self._failure_stats = dict.fromkeys(("rank_failures_dead", "rank_failures_hung",
+                                             "rank_recoveries"), 0)
+        self._recovery_s = {"recovery_seconds_total": 0.0, "recovery_seconds_last": 0.0}
         try:
-            self.ranks.start(config, input_addrs=self.input_addrs, output_addr=self.output_addr,
-                             extra_eos_token_ids=extra_eos_token_ids)
-            self.runtime = self._wait_ready(startup_timeout_s)
+            self._start_group(SpawnedRanks(self.ENTRY_MODULE) if ranks is None else ranks)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def ranks(self) -> RankProcesses:
+        return self._sockets.ranks
+
+    @property
+    def output_addr(self) -> str:
+        return self._sockets.output_addr
+
+    @property
+    def input_addrs(self) -> list[str]:
+        return self._sockets.input_addrs
 
     # ----- requests (one rank: everything goes to core 0; the DP client routes) -----
 
@@ -330,10 +407,68 @@ class MPClient(EngineCoreClient):
                 raise ValueError(r.error)
         return [dict(r.result or {}) for r in results]
 
+    def front_end_stats(self) -> dict:
+        """``rank_failures_dead`` / ``rank_failures_hung`` (ranks lost), ``rank_recoveries``
+        (fresh groups started), ``recovery_seconds_total`` / ``recovery_seconds_last`` (from
+        the failure's detection to the new group's ready messages), ``dp_size`` and
+        ``generation`` of the current group."""
+        return {**self._failure_stats, **self._recovery_s, "dp_size": self.num_ranks,
+                "generation": self.generation}
+
+    def membership(self) -> dict:
+        now = time.monotonic()
+        silence = self._monitor.silence_s(now)
+        return {"generation": self.generation, "dp_size": self.num_ranks,
+                "ranks": [{"dp_rank": r, "pid": self.pids[r] if r < len(self.pids) else None,
+                           "last_tick": self._monitor.last_ticks[r],
+                           "heartbeat_age_s": round(silence[r], 3)}
+                          for r in range(len(silence))],
+                "rank_failures": list(self.failures)}
+
     # ----- lifecycle -----
 
     def is_alive(self) -> bool:
-        return self.ranks.is_alive()
+        return self._failed is None and self.ranks.is_alive()
+
+    def recover(self, error: RankFailedError) -> None:
+        """Start the group that follows ``error`` (``ranks.successor`` under
+        ``on_rank_failure``): every process of the old one is killed first, then the new one
+        starts (fresh rendezvous, weights loaded again, expert placement recomputed) and this
+        client forgets everything in flight: outputs not yet returned are dropped, since the
+        caller resends its requests from what it had received.
+
+        Raises:
+            EngineDeadError: as :meth:`EngineCoreClient.recover`.
+        """
+        successor = self.ranks.successor(error, policy=self.config.on_rank_failure)
+        if successor is None:
+            # nothing will run on the survivors any more: free them now (their collectives
+            # would otherwise wait on the lost rank until the group timeout)
+            self.ranks.kill(list(range(self.num_ranks)))
+            raise EngineDeadError(f"{error} (on_rank_failure={self.config.on_rank_failure}: "
+                                  f"the deployment stays down)") from error
+        started = time.monotonic()
+        old_size = self.num_ranks
+        self.ranks.abandon()
+        if successor is not self.ranks:
+            self.num_ranks = len(successor.slots)
+            self.config = self.config.with_data_parallel_size(self.num_ranks)
+        self._outputs.clear()
+        self._utility_results.clear()
+        self._on_group_lost()
+        try:
+            self._start_group(successor)
+        except (RuntimeError, zmq.ZMQError) as exc:
+            raise EngineDeadError(f"{error}; the new group failed to start: {exc}") from exc
+        self._failed = None
+        self.generation += 1
+        elapsed_s = time.monotonic() - started
+        self._failure_stats["rank_recoveries"] += 1
+        self._recovery_s["recovery_seconds_total"] += elapsed_s
+        self._recovery_s["recovery_seconds_last"] = elapsed_s
+        logger.warning("membership change: generation %d runs %d rank(s) (was %d; lost dp rank(s) "
+                       "%s: %s), ready in %.1f s", self.generation, self.num_ranks, old_size,
+                       error.dp_ranks, error, elapsed_s)
 
     def shutdown(self) -> None:
         """Shutdown to every core, then let :attr:`ranks` make sure they exit (spawned ones:
@@ -343,41 +478,61 @@ class MPClient(EngineCoreClient):
 
     # ----- internals -----
 
+    def _start_group(self, ranks: RankProcesses) -> None:
+        """Bind (unless ``ranks`` keeps the sockets it has), start the ranks, wait for them."""
+        if ranks is not self._sockets.ranks:
+            self._sockets.close()
+            self._sockets.bind(ranks, self.num_ranks)
+        ranks.start(self.config, input_addrs=self.input_addrs, output_addr=self.output_addr,
+                    extra_eos_token_ids=self._extra_eos)
+        self.runtime = self._wait_ready(self._startup_timeout_s)
+        ranks.on_ready(self.pids)
+        self._monitor.reset(self.num_ranks, time.monotonic())
+        self._on_group_ready()
+
+    def _on_group_lost(self) -> None:
+        """Hook: a group was lost; forget what was in flight on it (the DP client's routing)."""
+
+    def _on_group_ready(self) -> None:
+        """Hook: every rank of a new group sent its ready message."""
+
     def _wait_ready(self, timeout_s: float) -> EngineRuntime:
         deadline = time.monotonic() + timeout_s
-        ready: dict[int, EngineRuntime] = {}
+        ready: dict[int, ReadyMessage] = {}
+        output = self._sockets.output
         while len(ready) < self.num_ranks:
             if time.monotonic() >= deadline:
                 missing = sorted(set(range(self.num_ranks)) - set(ready))
                 raise RuntimeError(f"engine core(s) of dp rank {missing} sent no ready message "
                                    f"within {timeout_s:.0f} s")
-            if self._output.poll(int(POLL_SLICE_S * 1000)):
-                message = decode_output(self._output.recv())
+            if output.poll(int(POLL_SLICE_S * 1000)):
+                message = decode_output(output.recv())
                 if isinstance(message, ReadyMessage):
-                    ready[message.dp_rank] = message.runtime
-                    if message.kv_events_endpoint is not None:
-                        self.kv_event_publishers.append(PublisherEndpoints(
-                            message.dp_rank, message.kv_events_endpoint,
-                            message.kv_events_replay_endpoint))
-                else:
-                    logger.warning("ignored %s before the ready messages", type(message).__name__)
+                    ready[message.dp_rank] = message
+                elif not isinstance(message, Heartbeat):  # a ready rank beats while others load
+                    logger.debug("ignored %s before the ready messages", type(message).__name__)
                 continue
             dead = self.ranks.dead_message()
             if dead is not None:
                 raise RuntimeError(f"the engine core failed to start: {dead}")
-        self.kv_event_publishers.sort(key=lambda p: p.dp_rank)
-        return ready[0]
+        messages = [ready[r] for r in range(self.num_ranks)]
+        self.pids = [m.pid for m in messages]
+        self.kv_event_publishers = [PublisherEndpoints(m.dp_rank, m.kv_events_endpoint,
+                                                       m.kv_events_replay_endpoint)
+                                    for m in messages if m.kv_events_endpoint is not None]
+        return messages[0].runtime
 
     def _send(self, rank: int, message: CoreInput) -> None:
         data = encode(message)  # encode first: a bad value fails here, before anything is sent
-        sock = self._inputs[rank]
+        sock = self._sockets.inputs[rank]
         while True:
+            self._raise_if_failed(check=False)
             try:
                 sock.send(data, zmq.NOBLOCK)
                 return
             except zmq.Again:
                 # no peer (it died) or the queue is full (it is busy): never block blind
-                self._raise_if_dead()
+                self._raise_if_failed()
                 sock.poll(int(POLL_SLICE_S * 1000), zmq.POLLOUT)
 
     def _broadcast(self, message: CoreInput) -> None:
@@ -385,19 +540,31 @@ class MPClient(EngineCoreClient):
             self._send(rank, message)
 
     def _poll(self, timeout_s: float) -> None:
-        """Receive every frame available within ``timeout_s``; raise if none came and a
-        process is dead (frames it sent before dying are delivered first)."""
-        if not self._output.poll(int(timeout_s * 1000)):
-            self._raise_if_dead()
-            return
-        while self._output.poll(0):
-            message = decode_output(self._output.recv())
-            if isinstance(message, EngineCoreOutputs):
-                self._on_outputs(message)
-            elif isinstance(message, UtilityResult):
-                self._utility_results[(message.dp_rank, message.call_id)] = message
-            else:
-                self._on_other(message)
+        """Receive every frame available within ``timeout_s``; when none but heartbeats came,
+        check the ranks (frames a process sent before dying are delivered first).
+
+        Raises:
+            RankFailedError: a rank died or hung (or had, and no recovery followed).
+        """
+        self._raise_if_failed(check=False)
+        output = self._sockets.output
+        got_data = False
+        if output.poll(int(timeout_s * 1000)):
+            now = time.monotonic()
+            while output.poll(0):
+                message = decode_output(output.recv())
+                if isinstance(message, Heartbeat):
+                    self._monitor.beat(message, now)
+                    continue
+                got_data = True
+                if isinstance(message, EngineCoreOutputs):
+                    self._on_outputs(message)
+                elif isinstance(message, UtilityResult):
+                    self._utility_results[(message.dp_rank, message.call_id)] = message
+                else:
+                    self._on_other(message)
+        if not got_data:
+            self._raise_if_failed()
 
     def _on_outputs(self, message: EngineCoreOutputs) -> None:
         if message.outputs:
@@ -406,106 +573,27 @@ class MPClient(EngineCoreClient):
     def _on_other(self, message: msgspec.Struct) -> None:
         logger.warning("ignored an unexpected %s from an engine core", type(message).__name__)
 
-    def _raise_if_dead(self) -> None:
-        dead = self.ranks.dead_message()
-        if dead is not None:
-            raise EngineDeadError(f"the engine core is dead: {dead}")
+    def _raise_if_failed(self, *, check: bool = True) -> None:
+        """Raise the standing failure; with ``check``, first look for a new one (an exited
+        process, else a silent one: killed here, so that its peers stop waiting for it)."""
+        if self._failed is None and check:
+            failures = [RankFailure(rank, DEAD, what) for rank, what in self.ranks.exited()]
+            if not failures:
+                failures = self._monitor.hung(time.monotonic())
+                self.ranks.kill([f.dp_rank for f in failures])
+            if failures:
+                self._record_failure(RankFailedError(failures))
+        if self._failed is not None:
+            raise self._failed
 
-
-class SpawnedRanks:
-    """The core processes a client starts itself on this node: one ``python -m entry_module``
-    per rank, over ``ipc://`` sockets in a fresh temporary folder (removed by :meth:`cleanup`).
-
-    Args:
-        entry_module: the process each rank runs (its ``main()`` takes :func:`core_argv`).
-    """
-
-    def __init__(self, entry_module: str):
-        self.entry_module = entry_module
-        self._ipc_dir = tempfile.mkdtemp(prefix="atom-core-")
-        self.procs: list[subprocess.Popen] = []
-        self._tails: list[collections.deque] = []
-        self._stderr_threads: list[threading.Thread] = []
-
-    def address(self, name: str) -> str:
-        return f"ipc://{self._ipc_dir}/{name}"
-
-    def start(self, config: EngineConfig, *, input_addrs: list[str], output_addr: str,
-              extra_eos_token_ids: tuple[int, ...]) -> None:
-        n = config.data_parallel_size
-        num_threads = resolve_num_threads(config.num_threads, num_local_ranks=n)
-        warning = oversubscription_warning(n)
-        if warning is not None:
-            logger.warning("%s", warning)
-        port = _free_port() if n > 1 else 0
-        for rank in range(n):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),
-                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": str(num_threads)}
-            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # these ranks host their own store
-            argv = [sys.executable, "-m", self.entry_module,
-                    *core_argv(config, input_addr=input_addrs[rank], output_addr=output_addr,
-                               extra_eos_token_ids=extra_eos_token_ids)]
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-            self.procs.append(proc)
-            tail: collections.deque = collections.deque(maxlen=_STDERR_TAIL_LINES)
-            self._tails.append(tail)
-            thread = threading.Thread(target=_forward_stderr, daemon=True,
-                                      name=f"atom-dp{rank}-stderr", args=(proc.stderr, tail))
-            thread.start()
-            self._stderr_threads.append(thread)
-
-    def is_alive(self) -> bool:
-        return bool(self.procs) and all(p.poll() is None for p in self.procs)
-
-    def dead_message(self) -> str | None:
-        for rank, p in enumerate(self.procs):
-            if p.poll() is not None:
-                self._stderr_threads[rank].join(timeout=1.0)  # let the last lines arrive
-                rc = p.returncode
-                how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-                tail = "".join(self._tails[rank]) or "(empty)"
-                return f"process {p.pid} (dp rank {rank}) exited, {how}; stderr tail:\n{tail}"
-        return None
-
-    def stop(self) -> None:
-        """Wait, then SIGTERM, then SIGKILL, each ``SHUTDOWN_GRACE_S`` long, until every rank
-        has exited."""
-        for stop in ("wait", "terminate", "kill"):
-            live = [p for p in self.procs if p.poll() is None]
-            if not live:
-                break
-            for p in live:
-                if stop != "wait":
-                    getattr(p, stop)()
-            deadline = time.monotonic() + SHUTDOWN_GRACE_S
-            for p in live:
-                try:
-                    p.wait(timeout=max(0.01, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        for thread in self._stderr_threads:
-            thread.join(timeout=1.0)
-
-    def cleanup(self) -> None:
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def core_argv(config: EngineConfig, *, input_addr: str, output_addr: str,
-              extra_eos_token_ids: tuple[int, ...]) -> list[str]:
-    """The command-line arguments of an engine-core process (parsed by
-    :func:`atom.engine_core_proc.parse_args`)."""
-    log_level = logging.getLevelName(logging.getLogger("atom").getEffectiveLevel())
-    return ["--config-json", json.dumps(msgspec.to_builtins(config)),
-            "--input-addr", input_addr, "--output-addr", output_addr,
-            "--extra-eos-token-ids", *map(str, extra_eos_token_ids), "--log-level", log_level]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def _record_failure(self, error: RankFailedError) -> None:
+        self._failed = error
+        for f in error.failures:
+            self._failure_stats[f"rank_failures_{f.kind}"] += 1
+            self.failures.append({"generation": self.generation, "dp_rank": f.dp_rank,
+                                  "kind": f.kind, "reason": f.reason.splitlines()[0],
+                                  "last_tick": f.last_tick})
+        logger.error("rank failure in generation %d: %s", self.generation, error)
 
 
 def _bind(sock: zmq.Socket, addr: str) -> str:
@@ -515,29 +603,22 @@ def _bind(sock: zmq.Socket, addr: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _forward_stderr(pipe, tail: collections.deque) -> None:
-    """Copy a core's stderr to ours (fd 2) line by line, keeping the last lines."""
-    for raw in iter(pipe.readline, b""):
-        tail.append(raw.decode(errors="replace"))
-        try:
-            os.write(2, raw)
-        except OSError:  # our stderr is closed: keep draining so the core never blocks
-            pass
-    pipe.close()
-
-
-def _release(ctx: zmq.Context, inputs: list[zmq.Socket], ranks: RankProcesses) -> None:
+def _release(ctx: zmq.Context, sockets: _Sockets) -> None:
     """Shutdown to every core still listening, stop the processes, free the sockets and the
     folder (the finalizer; it holds no reference to the client)."""
     # with linger: launched ranks have nothing else telling them to stop than this Shutdown
-    for sock in inputs:
+    for sock in sockets.inputs:
         try:
             sock.setsockopt(zmq.LINGER, int(SHUTDOWN_GRACE_S * 1000))
             sock.send(encode(Shutdown()), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # no peer: it is dying anyway; ranks.stop() signals it
-    ranks.stop()
-    for sock in inputs:
+    if sockets.ranks is not None:
+        sockets.ranks.stop()
+    for sock in sockets.inputs:
         sock.close()
+    if sockets.output is not None:
+        sockets.output.close(linger=0)
     ctx.destroy(linger=0)
-    ranks.cleanup()
+    if sockets.ranks is not None:
+        sockets.ranks.cleanup()

@@ -14,7 +14,9 @@ skeleton with its own body; its DP rank comes from ``RANK`` in its environment.
 
 Lifecycle and exit codes:
 
-- after the weights are loaded and the KV pool sized, one :class:`~atom.messages.ReadyMessage`;
+- after the weights are loaded and the KV pool sized, one :class:`~atom.messages.ReadyMessage`,
+  then heartbeats from a thread of their own (:class:`atom.liveness.HeartbeatThread`, every
+  :func:`atom.liveness.heartbeat_interval_s`, with :attr:`EngineCoreProc.tick`) until exit;
 - the loop: with no work, block on the input socket (no busy spinning; it wakes once a second
   only to notice a dead parent); with work, drain every pending input without blocking, then
   :meth:`EngineCore.step`, then send the step's outputs (if any);
@@ -44,6 +46,7 @@ import msgspec
 import zmq
 
 from atom.config import EngineConfig
+from atom.liveness import HeartbeatThread, heartbeat_interval_s
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -93,6 +96,10 @@ class EngineCoreProc:
         input_addr: ZMQ endpoint the front end's PUSH socket is bound on.
         output_addr: ZMQ endpoint the front end's PULL socket is bound on.
         dp_rank: this core's DP rank (stamped on every output frame).
+
+    Attributes:
+        tick: loop iterations that stepped, so far (the heartbeat reports it; the DP loop
+            counts its ticks here).
     """
 
     def __init__(self, core: EngineCore, *, input_addr: str, output_addr: str, dp_rank: int = 0):
@@ -107,13 +114,22 @@ class EngineCoreProc:
         self._poller.register(self._input, zmq.POLLIN)
         self._parent_pid = os.getppid()
         self._shutdown = False
+        self._output_addr = output_addr
+        self._heartbeat: HeartbeatThread | None = None
+        self.tick = 0
 
     def send_ready(self) -> None:
+        """The ready message, then the heartbeats start (the front end watches them from the
+        ready message on)."""
         pub = self.core.kv_event_publisher
         self._output.send(encode(ReadyMessage(
             dp_rank=self.dp_rank, runtime=self.core.runtime,
             kv_events_endpoint=None if pub is None else pub.endpoint,
-            kv_events_replay_endpoint=None if pub is None else pub.replay_endpoint)))
+            kv_events_replay_endpoint=None if pub is None else pub.replay_endpoint,
+            pid=os.getpid())))
+        interval_s = heartbeat_interval_s(self.core.config.engine_hang_timeout_s)
+        self._heartbeat = HeartbeatThread(self._ctx, self._output_addr, dp_rank=self.dp_rank,
+                                          interval_s=interval_s, tick=lambda: self.tick)
 
     def run_busy_loop(self) -> None:
         """Run until Shutdown, SIGTERM or the parent's death. Exceptions propagate.
@@ -129,6 +145,7 @@ class EngineCoreProc:
             if self._shutdown or not self.core.has_work():
                 continue
             self.send_outputs(self.core.step())
+            self.tick += 1
 
     def parent_is_gone(self) -> bool:
         return os.getppid() != self._parent_pid
@@ -193,6 +210,8 @@ class EngineCoreProc:
         return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id, result=result)
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.close()
         # linger bounded: a front end that is gone must not keep this process alive
         self._ctx.destroy(linger=1000)
 

@@ -1,11 +1,13 @@
 """Messages between the front end and EngineCore processes (msgspec msgpack; never pickle).
 
 Front end → engine core (one ZMQ PUSH → PULL stream per core):
-    :class:`EngineCoreRequest`, :class:`AbortRequests`, :class:`FinishRequests`,
-    :class:`UtilityCall`, :class:`StartWave`, :class:`Shutdown`.
+    :class:`EngineCoreRequest` (a resumed one carries :class:`ResumedChoice` s),
+    :class:`AbortRequests`, :class:`FinishRequests`, :class:`UtilityCall`, :class:`StartWave`,
+    :class:`Shutdown`.
 Engine core → front end (PUSH → PULL, all cores into one socket):
     :class:`ReadyMessage` (carrying the :class:`EngineRuntime`), :class:`EngineCoreOutputs`,
-    :class:`UtilityResult`, :class:`WaveWakeup` (DP only).
+    :class:`UtilityResult`, :class:`WaveWakeup` (DP only), :class:`Heartbeat` (from each
+    core's heartbeat thread, on a socket of its own: :mod:`atom.liveness`).
 
 Token ids only cross the socket: tokenization, detokenization and stop strings live in the
 front end (docs/ARCHITECTURE.md). One struct per concept: a request's sampling parameters travel
@@ -56,15 +58,37 @@ def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],
     return None
 
 
+class ResumedChoice(msgspec.Struct, frozen=True):
+    """What one choice of a request had produced when the ranks running it were lost (a rank
+    failure; docs/ARCHITECTURE.md, "Rank failures"): the core rebuilds the sequence as a
+    preempted one (prompt + these output tokens, recomputed as one prefill) and continues it.
+
+    Attributes:
+        output_token_ids: the choice's output tokens the front end had received.
+        cumulative_logprob: their summed logprob (the continuation adds to it).
+        finished: the choice had already finished (the core does not run it again).
+    """
+
+    output_token_ids: list[int]
+    cumulative_logprob: float = 0.0
+    finished: bool = False
+
+
 class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
     """A request as the core sees it: token ids, sampling parameters, arrival time (seconds,
-    ``time.monotonic()`` of the front end) and the DP wave the front end believed current."""
+    ``time.monotonic()`` of the front end) and the DP wave the front end believed current.
+
+    ``resumed``: None for a new request; after a rank failure, one :class:`ResumedChoice` per
+    choice (``sampling_params.n`` of them), so the request continues where it stopped:
+    max_tokens, min_tokens, penalties and a seeded generator all count the tokens already
+    produced."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time_s: float
     wave_id: int = 0
+    resumed: list[ResumedChoice] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
@@ -135,15 +159,25 @@ class WaveWakeup(msgspec.Struct, tag="wave_wakeup", frozen=True):
     wave_id: int
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """A core process is running (sent by its heartbeat thread every
+    :func:`atom.liveness.heartbeat_interval_s`), with the ticks its loop has completed."""
+
+    dp_rank: int
+    tick: int
+
+
 class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
     """A core loaded its weights and sized its KV pool. When it publishes KV events, the
     endpoints it bound (ports resolved, per-rank offset applied), for the front end's
-    subscriber: ``kv_events_endpoint`` (PUB) and ``kv_events_replay_endpoint`` (ROUTER)."""
+    subscriber: ``kv_events_endpoint`` (PUB) and ``kv_events_replay_endpoint`` (ROUTER).
+    ``pid``: its process id (the front end of a launched group on one node watches it)."""
 
     dp_rank: int
     runtime: EngineRuntime
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    pid: int = 0
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
@@ -153,7 +187,7 @@ class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     error: str | None = None
 
 
-CoreOutput = ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup
+CoreOutput = ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)

@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 from atom.detokenizer import IncrementalDetokenizer
-from atom.messages import SeqOutput
+import msgspec
+
+from atom.messages import ResumedChoice, SeqOutput
 from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -52,6 +54,25 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_resumes: int = 0  # rank failures this request was resumed after
+
+
+@dataclass(frozen=True)
+class ResumableRequest:
+    """An unfinished request as a rank failure found it: what the front end sends again.
+
+    Attributes:
+        request_id, prompt_token_ids, arrival_time_s: as first sent.
+        params: its sampling parameters (prompt logprobs dropped once they were received).
+        choices: per choice, the output tokens received so far, their summed logprob, and
+            whether it finished already.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time_s: float
+    choices: list[ResumedChoice]
 
 
 @dataclass
@@ -123,6 +144,42 @@ class OutputProcessor:
         state = self._requests.pop(request_id, None)
         return None if state is None else self._finish_all(state, "error", error=message)
 
+    def take_resumable(self, *, max_resumes: int) -> tuple[list[ResumableRequest],
+                                                          list[RequestOutput]]:
+        """Every unfinished request, after the ranks running them were lost: the ones to send
+        again (their state stays here and goes on from where it stopped), and the final
+        ``error`` outputs of those resumed ``max_resumes`` times already (a request that takes
+        ranks down with it must not do it forever; they are no longer tracked).
+        """
+        resumable, failed = [], []
+        for request_id in list(self._requests):
+            state = self._requests[request_id]
+            if state.num_resumes >= max_resumes:
+                failed.append(self.fail_on_rank_failure(request_id, (
+                    f"the request was in flight during {state.num_resumes + 1} rank failures "
+                    f"and is not resumed again")))
+                continue
+            state.num_resumes += 1
+            params = state.params
+            if params.prompt_logprobs is not None and state.choices[0].token_ids:
+                params = msgspec.structs.replace(params, prompt_logprobs=None)  # received
+            resumable.append(ResumableRequest(
+                request_id, state.prompt_token_ids, params, state.metrics.arrival_time_s,
+                [ResumedChoice(list(c.token_ids), c.cumulative_logprob, c.finish_reason is not None)
+                 for c in state.choices]))
+        return resumable, failed
+
+    def fail_on_rank_failure(self, request_id: str, message: str) -> RequestOutput:
+        """End a tracked request with ``error`` because the ranks running it were lost; its
+        final output says so in ``extra["rank_failure"]`` (the server answers 503, not 400)."""
+        out = self.fail_request(request_id, message)
+        assert out is not None, request_id
+        out.extra["rank_failure"] = True
+        return out
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request with ``abort`` here and now; returns its final output, or None for an
         unknown (or already finished) id. The caller tells the core (``AbortRequests``)."""
@@ -149,7 +206,7 @@ class OutputProcessor:
             if choice.finish_reason is not None:
                 continue  # a stop string ended it here; the core had not heard yet
             touched[out.request_id] = state
-            if out.index == 0:
+            if out.index == 0 and not choice.token_ids:  # the first admission's, not a resumed one's
                 state.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs = list(out.prompt_logprobs)

@@ -111,17 +111,25 @@ class Sampler:
                 continue
             probs = filter_probs(logits[row] / params.temperature, top_k=params.top_k,
                                  top_p=params.top_p, min_p=params.min_p)
-            noise = torch.empty_like(probs).exponential_(generator=self._generator_for(seq))
+            noise = torch.empty_like(probs).exponential_(generator=self._generator_for(seq, probs))
             token_ids[row] = (probs / noise).argmax()
         return token_ids
 
-    def _generator_for(self, seq: Sequence) -> torch.Generator:
+    def _generator_for(self, seq: Sequence, probs: torch.Tensor) -> torch.Generator:
+        """The generator of ``seq``'s noise (``probs``: this draw's row).
+
+        A seeded sequence's generator is made at its first draw and advanced by one draw per
+        output token it already has: none for a new sequence, and for a request resumed after a
+        rank failure exactly the draws that produced its tokens (each token took one row of
+        noise of this shape), so it samples what it would have sampled undisturbed."""
         seed = seq.sampling_params.seed
         if seed is None:
             return self.generator
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator().manual_seed(seed + seq.index)
+            for _ in range(seq.num_output_tokens):
+                torch.empty_like(probs).exponential_(generator=gen)
             self._seq_generators[seq.seq_id] = gen
         return gen
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -36,6 +38,7 @@ import msgspec
 from atom.config import EngineConfig
 from atom.dp.router import CacheAwareSettings, DPRouter
 from atom.engine_core_client import MPClient
+from atom.liveness import pid_running
 from atom.kv_subscriber import KVEventSubscriber, PublisherEndpoints, connectable_endpoint, \
     wire_block_hashes
 from atom.messages import (
@@ -78,13 +81,24 @@ class DPEngineCoreClient(MPClient):
         self.group_idle = True
         self.num_wave_wakeups = 0
         super().__init__(config, **kwargs)
-        if cache_aware:
-            try:
-                self.kv_subscriber = self._subscribe(self.kv_event_publishers)
-            except BaseException:
-                self.shutdown()
-                raise
+
+    def _on_group_ready(self) -> None:
+        """cache_aware: subscribe to every rank's KV events (each group's own endpoints)."""
+        if self.config.dp_load_balance == "cache_aware":
+            self.kv_subscriber = self._subscribe(self.kv_event_publishers)
             self.router.index = self.kv_subscriber.index
+
+    def _on_group_lost(self) -> None:
+        """The group was lost: every charged request is released (once), the waves restart,
+        the KV event subscriber closes (the next group publishes elsewhere)."""
+        num_released = self.router.reset(self.num_ranks)
+        logger.info("router reset for %d rank(s): %d in-flight request(s) released",
+                    self.num_ranks, num_released)
+        self._unfinished.clear()
+        self.wave_id, self.group_idle = 0, True
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.close()
+            self.kv_subscriber = self.router.index = None
 
     def _subscribe(self, publishers: list[PublisherEndpoints]) -> KVEventSubscriber:
         ranks = {p.dp_rank for p in publishers}
@@ -165,10 +179,12 @@ class DPEngineCoreClient(MPClient):
                                                             self.router.rank_stats())]
 
     def front_end_stats(self) -> dict:
-        """The KV event subscriber's counters as ``kv_subscriber_<name>`` (cache_aware)."""
-        if self.kv_subscriber is None:
-            return {}
-        return {f"kv_subscriber_{k}": v for k, v in self.kv_subscriber.stats().items()}
+        """MPClient's, and the KV event subscriber's counters as ``kv_subscriber_<name>``
+        (cache_aware)."""
+        stats = super().front_end_stats()
+        if self.kv_subscriber is not None:
+            stats.update({f"kv_subscriber_{k}": v for k, v in self.kv_subscriber.stats().items()})
+        return stats
 
     def get_outputs(self, timeout_s: float | None = None):
         if self.kv_subscriber is not None:
@@ -211,35 +227,88 @@ class LaunchedRanks:
             resolved ``MASTER_ADDR``); the client binds TCP ports on it.
         announce: called once with ``(output_addr, input_addrs)`` after binding; it must get
             them to the ranks (rank 0 publishes them in the rendezvous store).
+        max_restarts: the launcher's ``--max-restarts`` (``TORCHELASTIC_MAX_RESTARTS``).
 
-    The front end cannot watch ranks on other nodes; it watches its parent, rank 0. When any
-    rank dies, the launcher stops every rank, and rank 0's process group with it (this front
-    end included); when rank 0 dies, its collectives fail on the other ranks too.
+    Without restarts the front end cannot watch ranks on other nodes; it watches its parent,
+    rank 0. When any rank dies, the launcher stops every rank, and rank 0's process group with
+    it (this front end included); when rank 0 dies, its collectives fail on the other ranks too.
+
+    With restarts (``atom launch --max-restarts K``, one node): this front end lives in a
+    session of its own and outlives the group. It watches every rank's pid (from the ready
+    messages; all on this node), kills a hung rank so that the launcher sees it exit, and
+    after a failure waits for the restarted group on the same sockets: :meth:`successor` is
+    ``self`` while restarts are left.
     """
 
-    def __init__(self, host: str, announce: Callable[[str, list[str]], None]):
+    def __init__(self, host: str, announce: Callable[[str, list[str]], None], *,
+                 max_restarts: int = 0):
         self._host = host
-        self._announce = announce
+        self._announce: Callable[[str, list[str]], None] | None = announce
         self._parent_pid = os.getppid()
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        self.slots: list[int] = []
+        self.pids: list[int] = []  # set by the client from the ready messages
 
     def address(self, name: str) -> str:
         return f"tcp://{self._host}:*"
 
     def start(self, config: EngineConfig, *, input_addrs: list[str], output_addr: str,
               extra_eos_token_ids: tuple[int, ...]) -> None:
-        self._announce(output_addr, list(input_addrs))
+        self.slots = list(range(config.data_parallel_size))
+        if self._announce is not None:  # once: a restarted group finds them in the store
+            self._announce(output_addr, list(input_addrs))
+            self._announce = None
 
     def is_alive(self) -> bool:
-        return os.getppid() == self._parent_pid
+        return not self.exited()
+
+    def exited(self) -> list[tuple[int, str]]:
+        if self.max_restarts == 0:
+            if os.getppid() == self._parent_pid:
+                return []
+            return [(0, f"rank 0 (pid {self._parent_pid}), the parent of this front end, has "
+                        f"exited; its error is in the launcher's report")]
+        return [(rank, f"process {pid} (dp rank {rank}) exited; its error is in the "
+                       f"launcher's report") for rank, pid in enumerate(self.pids)
+                if not pid_running(pid)]
 
     def dead_message(self) -> str | None:
-        if self.is_alive():
+        exited = self.exited()
+        return exited[0][1] if exited else None
+
+    def kill(self, dp_ranks: list[int]) -> None:
+        """With restarts: SIGKILL these (hung) ranks, so the launcher restarts the group."""
+        if self.max_restarts == 0:
+            return
+        for rank in dp_ranks:
+            if rank < len(self.pids) and pid_running(self.pids[rank]):
+                os.kill(self.pids[rank], signal.SIGKILL)
+
+    def successor(self, error, *, policy: str) -> LaunchedRanks | None:
+        """``self`` while the launcher has restarts left (it restarts the whole group, as
+        torchrun does; ``policy`` is not this front end's to apply), else None."""
+        if self.num_restarts >= self.max_restarts:
             return None
-        return (f"rank 0 (pid {self._parent_pid}), the parent of this front end, has exited; "
-                f"its error is in the launcher's report")
+        self.num_restarts += 1
+        return self
+
+    def on_ready(self, pids: list[int]) -> None:
+        self.pids = list(pids)
+
+    def abandon(self) -> None:
+        """Wait (bounded) until every process of the lost group is gone: the launcher stops
+        them before it starts the next group."""
+        deadline = time.monotonic() + _ABANDON_TIMEOUT_S
+        while any(pid_running(p) for p in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling processes that are not our children (no wait() on them)
+        self.pids = []
 
     def stop(self) -> None:
         """Nothing to signal: the ranks stop on the Shutdown messages (sent with linger)."""
 
     def cleanup(self) -> None:
         pass
+
+
+_ABANDON_TIMEOUT_S = 60.0  # above the launcher's SIGTERM → SIGKILL grace (--term-timeout-s)

@@ -9,6 +9,13 @@ reason, this rank's batch shape (prefill tokens, decode sequences, dummy), wheth
 as two micro-batches, and whether some rank prefilled (``any_prefill``) while another did not
 (``mixed``). A tick that ends a wave runs no step and writes no row. The rows of all ranks
 together hold the whole gathered matrix of every tick (each rank contributes its own row).
+Besides rows, a file may hold events (JSON objects with an ``event`` key, e.g. the
+``membership_change`` a group started after a rank failure writes at its tick 0).
+
+Each start of the group (its generation, ``TORCHELASTIC_RESTART_COUNT``: 0 first, + 1 per
+recovery or launcher restart) writes a folder of its own: ``FOLDER`` for the first,
+``FOLDER/gen<g>`` after; so a recovery never overwrites the trace of the group it replaced,
+and every folder is one group's (its ranks, its world size, its clocks).
 
 Writing never blocks a step: :meth:`TraceWriter.write` puts the row tuple on an unbounded
 in-memory queue (no lock wait, no I/O); a background thread formats the rows and writes them
@@ -35,7 +42,7 @@ from atom.dp.rank_contract import rank_logger
 logger = logging.getLogger(__name__)
 
 TRACE_FORMAT = "atom-dp-trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: events, the generation in the header
 # this rank's row of the gathered control vector, as traced
 CONTROL_COLUMNS = ("has_work", "num_admittable", "num_prefill_tokens", "has_pending_prefill",
                    "has_partial_prefill", "num_running_decodes", "oldest_waiting_age_ticks",
@@ -80,22 +87,26 @@ class TraceWriter:
         folder: the trace folder (created if missing); the file is ``dp<rank>.jsonl``.
         dp_rank, dp_size: this rank and the world size (in the header).
         policy: the prefill policy's name (in the header).
+        generation: which start of the group this is (0: ``folder`` itself, else
+            ``folder/gen<generation>``; in the header).
     Raises:
         OSError: the file cannot be created.
     """
 
-    def __init__(self, folder: str | pathlib.Path, *, dp_rank: int, dp_size: int, policy: str):
-        path = pathlib.Path(folder) / f"dp{dp_rank}.jsonl"
+    def __init__(self, folder: str | pathlib.Path, *, dp_rank: int, dp_size: int, policy: str,
+                 generation: int = 0):
+        path = generation_folder(folder, generation) / f"dp{dp_rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._log = rank_logger(logger, dp_rank)
         self._file = open(path, "w", buffering=1 << 16)
         header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "dp_rank": dp_rank,
-                  "dp_size": dp_size, "policy": policy, "columns": list(TRACE_COLUMNS),
+                  "dp_size": dp_size, "policy": policy, "generation": generation,
+                  "columns": list(TRACE_COLUMNS),
                   # add to a row's start_us (perf_counter) for wall-clock µs since the epoch
                   "wall_minus_perf_us": (time.time_ns() - time.perf_counter_ns()) // 1000}
         self._file.write(json.dumps(header) + "\n")
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple | dict | None] = queue.SimpleQueue()
         self._failed = False
         self._thread = threading.Thread(target=self._run, name=f"dp{dp_rank}-trace", daemon=True)
         self._thread.start()
@@ -104,6 +115,12 @@ class TraceWriter:
         """Queue one row (never blocks)."""
         if not self._failed:
             self._queue.put(row)
+
+    def write_event(self, event: dict) -> None:
+        """Queue one event (a JSON object with an ``event`` key; never blocks)."""
+        assert "event" in event, event
+        if not self._failed:
+            self._queue.put(event)
 
     def _run(self) -> None:
         try:
@@ -128,18 +145,26 @@ class TraceWriter:
 
 @dataclass(frozen=True)
 class RankTrace:
-    """One rank's trace: its header and its rows (one dict per tick, keyed by column)."""
+    """One rank's trace: its header, its rows (one dict per tick, keyed by column) and its
+    events (as written, in file order)."""
 
     header: dict
     rows: list[dict]
+    events: list[dict]
 
     @property
     def dp_rank(self) -> int:
         return self.header["dp_rank"]
 
 
+def generation_folder(folder: str | pathlib.Path, generation: int) -> pathlib.Path:
+    """Where the ranks of the group's ``generation``-th start write (module docstring)."""
+    return pathlib.Path(folder) / f"gen{generation}" if generation else pathlib.Path(folder)
+
+
 def read_trace(folder: str | pathlib.Path) -> list[RankTrace]:
-    """Every rank's trace in ``folder``, in rank order.
+    """Every rank's trace in ``folder`` (one group's: a later generation's is in
+    :func:`generation_folder`), in rank order.
 
     Raises:
         ValueError: a file is not an atom DP trace of this version, or ranks are missing.
@@ -151,8 +176,10 @@ def read_trace(folder: str | pathlib.Path) -> list[RankTrace]:
         if header.get("format") != TRACE_FORMAT or header.get("version") != TRACE_VERSION:
             raise ValueError(f"{path} is not an {TRACE_FORMAT} v{TRACE_VERSION} file")
         columns = header["columns"]
-        traces.append(RankTrace(header, [dict(zip(columns, json.loads(line)))
-                                         for line in lines[1:]]))
+        items = [json.loads(line) for line in lines[1:]]
+        traces.append(RankTrace(header, [dict(zip(columns, i)) for i in items
+                                         if isinstance(i, list)],
+                                [i for i in items if isinstance(i, dict)]))
     traces.sort(key=lambda t: t.dp_rank)
     if not traces:
         raise ValueError(f"no dp<rank>.jsonl trace files in {folder}")

@@ -32,6 +32,13 @@ return before the control sync:
 Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
 sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
 
+Membership changes: a group started after a rank failure (generation ``g`` > 0, from
+``TORCHELASTIC_RESTART_COUNT``: the front end's fresh group, or a launcher's restart) logs the
+change at its first tick (tick 0, right after the control sync, on every rank of the new
+group): a lockstep check, the WARNING ``[dpR] membership change at tick 0: generation g runs
+N rank(s) ...``, and with ``--dp-trace`` a ``membership_change`` event in the trace (the
+group's trace files are ``FOLDER/gen<g>/``, so the lost group's trace is kept).
+
 Waves (docs/ARCHITECTURE.md, "The DP tick", idle and waves): an idle rank wakes on ``StartWave(w)`` with ``w`` equal to
 its wave counter (a stale ``w`` is ignored), on Shutdown, or on a request. A request carries the
 wave the front end believed current: when that is older than the rank's wave, the front end
@@ -110,6 +117,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.prefill = prefill
         self.trace = trace
         self.groups = groups
+        self.generation = groups.rank_info.restart_count  # which start of the group this is
         self._last_shapes: GatheredBatchShape | None = None  # the previous stepping tick's
         self.wave_id = 0
         self.tick = 0
@@ -260,6 +268,8 @@ class DPEngineCoreProc(EngineCoreProc):
         synced_ns = time.perf_counter_ns()
         self.tick += 1
         log = process_collective_log()
+        if self.tick == 1 and self.generation > 0:  # tick 0 of a group after a failure
+            self._log_membership_change(gathered)
         if gathered.all_shutdown():
             check_lockstep(log, self.groups.control)
             logger.info("[dp%d] every rank asked to shut down: exiting after %d ticks",
@@ -280,6 +290,27 @@ class DPEngineCoreProc(EngineCoreProc):
                                       shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
                                       end_ns=time.perf_counter_ns()))
         return False
+
+    def _log_membership_change(self, gathered) -> None:
+        """Tick 0 of a group started after a rank failure (module docstring). Every rank of
+        the group runs it at the same tick (the gathered ticks are all 0, which the control
+        sync already checked), so its lockstep check pairs with the others'.
+
+        Raises:
+            LockstepError: the new group's ranks disagree about what they ran so far.
+        """
+        from atom.dp.collectives import check_lockstep, process_collective_log
+
+        tick = gathered.tick.item(self.dp_rank)
+        num_collectives = check_lockstep(process_collective_log(), self.groups.control)
+        dp_size = self.groups.rank_info.dp_size
+        logger.warning("[dp%d] membership change at tick %d: generation %d runs %d rank(s); the "
+                       "lockstep check agrees (%d collectives since the group formed)",
+                       self.dp_rank, tick, self.generation, dp_size, num_collectives)
+        if self.trace is not None:
+            self.trace.write_event({"event": "membership_change", "tick": tick,
+                                    "generation": self.generation, "dp_size": dp_size,
+                                    "num_collectives": num_collectives})
 
     def _step(self, sched: SchedulerOutput) -> GatheredBatchShape:
         """Steps 4-6 of the tick: the batch-shape exchange, the forward (a dummy batch when
@@ -369,7 +400,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
             from atom.dp.dp_trace import TraceWriter
 
             trace = TraceWriter(config.dp_trace, dp_rank=info.dp_rank, dp_size=info.dp_size,
-                                policy=prefill.policy.name)
+                                policy=prefill.policy.name, generation=info.restart_count)
         proc = DPEngineCoreProc(core, prefill, groups, input_addr=input_addr,
                                 output_addr=output_addr, front_end=front_end,
                                 expert_parallel=expert_parallel, trace=trace)

@@ -110,8 +110,12 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
     info = rank_info
     timeout = datetime.timedelta(seconds=timeout_s)
     store = rendezvous_store(info, timeout_s=timeout_s)
-    _agree_on_addresses(store, info, timeout_s=timeout_s)
-    dist.init_process_group("gloo", store=dist.PrefixStore(_TORCH_STORE_PREFIX, store),
+    # a launcher's store outlives a restart of the group: each start rendezvous under keys of
+    # its own, never reading the previous group's
+    prefix = (_TORCH_STORE_PREFIX if info.restart_count == 0
+              else f"{_TORCH_STORE_PREFIX}/restart{info.restart_count}")
+    _agree_on_addresses(store, info, timeout_s=timeout_s, key_prefix=f"{prefix}/{_ADDRESS_PREFIX}")
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store),
                             rank=info.rank, world_size=info.world_size, timeout=timeout)
     # new_group is itself a collective over the store: every rank creates the same groups in
     # the same order
@@ -124,24 +128,25 @@ def init_process_groups(rank_info: RankInfo, *, timeout_s: float) -> DPGroups:
     process_collective_log().attach_store(store, rank=info.rank, world_size=info.world_size,
                                           group_timeout_s=timeout_s)
     rank_logger(logger, info.dp_rank).info(
-        "process groups ready: rank %d/%d, local rank %d/%d, device backend %s, timeout %.0fs",
-        info.rank, info.world_size, info.local_rank, info.local_world_size, device_backend,
-        timeout_s)
+        "process groups ready: rank %d/%d, local rank %d/%d, device backend %s, timeout %.0fs, "
+        "start %d of the group", info.rank, info.world_size, info.local_rank,
+        info.local_world_size, device_backend, timeout_s, info.restart_count)
     return DPGroups(rank_info=info, store=store, control=control, device=device,
                     device_backend=device_backend, timeout_s=timeout_s)
 
 
-def _agree_on_addresses(store: dist.Store, info: RankInfo, *, timeout_s: float) -> None:
-    """Choose gloo's interface, publish this rank's address, check every rank's (module
-    docstring). Raises as :func:`init_process_groups`."""
+def _agree_on_addresses(store: dist.Store, info: RankInfo, *, timeout_s: float,
+                        key_prefix: str) -> None:
+    """Choose gloo's interface, publish this rank's address under ``key_prefix`` (one per start
+    of the group), check every rank's (module docstring). Raises as :func:`init_process_groups`."""
     address, ifname = gloo_address(info.master_addr, info.master_port)
     if ifname is not None and not os.environ.get(GLOO_IFNAME_ENV):
         # torch reads it each time it creates a gloo group; set once here, before the first
         os.environ[GLOO_IFNAME_ENV] = ifname
     record = {"address": address, "interface": ifname, "master_addr": info.master_addr,
               "host": socket.gethostname()}
-    store.set(f"{_ADDRESS_PREFIX}{info.rank}", json.dumps(record))
-    keys = [f"{_ADDRESS_PREFIX}{r}" for r in range(info.world_size)]
+    store.set(f"{key_prefix}{info.rank}", json.dumps(record))
+    keys = [f"{key_prefix}{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except dist.DistStoreError:

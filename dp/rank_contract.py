@@ -12,6 +12,10 @@ Rank contract (the variables torchrun sets; ``atom launch`` sets the same ones):
 ``TORCHELASTIC_USE_AGENT_STORE``  ``True``: the launcher (``atom launch``, torchrun's agent)
                                   hosts the store and every rank, rank 0 too, joins it;
                                   otherwise rank 0 hosts it
+``TORCHELASTIC_RESTART_COUNT``    which start of the group this is (0 first; optional): the
+                                  launcher's restarts (``--max-restarts``), or the front
+                                  end's fresh groups after a rank failure
+``TORCHELASTIC_MAX_RESTARTS``     restarts the launcher may still make in all (optional, 0)
 ================================  ===========================================================
 
 :func:`hosts_store` is the one place that decides who hosts the store.
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 
 _CONTRACT = "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 
 
 class RankLoggerAdapter(logging.LoggerAdapter):
@@ -61,6 +67,8 @@ class RankInfo:
     master_addr: str
     master_port: int
     tp_size: int = field(default=1)
+    restart_count: int = 0
+    max_restarts: int = 0
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -80,6 +88,9 @@ class RankInfo:
         if self.master_port == 0 and self.world_size > 1:
             raise ValueError("MASTER_PORT=0 leaves the other ranks no port to connect to: set a "
                              "fixed port (or let `atom launch` pick one)")
+        if not 0 <= self.restart_count or not 0 <= self.max_restarts:
+            raise ValueError(f"TORCHELASTIC_RESTART_COUNT={self.restart_count} and "
+                             f"TORCHELASTIC_MAX_RESTARTS={self.max_restarts} must be >= 0")
         if self.tp_size != 1:
             raise ValueError(f"tp_size={self.tp_size}: tensor parallelism is not supported yet; "
                              f"use tp_size=1")
@@ -109,7 +120,9 @@ class RankInfo:
         return cls(rank=_env_int(env, "RANK"), world_size=world_size,
                    local_rank=_env_int(env, "LOCAL_RANK"), local_world_size=local_world_size,
                    master_addr=_env_str(env, "MASTER_ADDR"),
-                   master_port=_env_int(env, "MASTER_PORT"))
+                   master_port=_env_int(env, "MASTER_PORT"),
+                   restart_count=_env_int(env, RESTART_COUNT_ENV, default=0),
+                   max_restarts=_env_int(env, MAX_RESTARTS_ENV, default=0))
 
 
 def _env_str(env: Mapping[str, str], name: str) -> str:
@@ -120,7 +133,9 @@ def _env_str(env: Mapping[str, str], name: str) -> str:
     return value
 
 
-def _env_int(env: Mapping[str, str], name: str) -> int:
+def _env_int(env: Mapping[str, str], name: str, *, default: int | None = None) -> int:
+    if default is not None and env.get(name, "") == "":
+        return default
     value = _env_str(env, name)
     try:
         return int(value)

@@ -245,6 +245,30 @@ class DPRouter:
             self._loads[rank] -= 1
         return rank
 
+    def reset(self, num_ranks: int) -> int:
+        """A new group of ``num_ranks`` ranks replaced the old one (a rank failure): release
+        every request still charged (each exactly once: they were lost with the old group and
+        are dispatched again if resumed), forget the sessions (their ranks may be gone) and
+        restart the rotation. Decision counters are kept for the ranks that still exist.
+        Returns how many requests were released.
+
+        Raises:
+            ValueError: ``num_ranks < 1``.
+        """
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks={num_ranks} must be >= 1")
+        released = len(self._rank_of)
+        for request_id in list(self._rank_of):
+            self.release(request_id)
+        assert not any(self._loads), self._loads
+        self.num_ranks = num_ranks
+        self._loads = [0] * num_ranks
+        self._next = 0
+        self._sessions.clear()
+        self._decisions = (self._decisions + [dict.fromkeys(REASONS, 0)
+                                              for _ in range(num_ranks)])[:num_ranks]
+        return released
+
     def rank_stats(self) -> list[dict[str, int]]:
         """Per rank: ``dp_router_load`` (unfinished requests) and ``dp_router_decisions_<reason>``
         (requests sent there for that reason, since start)."""

@@ -23,6 +23,9 @@ LAUNCHER_PID_ENV = "ATOM_LAUNCHER_PID"
 ERROR_FILE_ENV = "ATOM_ERROR_FILE"
 TORCHELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 NODE_RANK_ENV = "NODE_RANK"
+# Set by `atom launch --max-restarts` only: where rank 0 writes the pid of the front end it
+# starts, which then lives in a session of its own and outlives restarts (atom.launch.restarts).
+FRONT_END_PID_FILE_ENV = "ATOM_FRONT_END_PID_FILE"
 TORCHRUN_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 

@@ -5,6 +5,7 @@ Usage::
     python -m atom.launch [--nproc-per-node N] [--nnodes M] [--node-rank R]
                           [--master-addr A] [--master-port P] [--no-python] [--log-dir DIR]
                           [--term-timeout-s S] [--rdzv-timeout-s S] [--node-timeout-s S]
+                          [--max-restarts K]
                           [--] COMMAND ...
 
 One launcher runs per node and starts ``N`` local workers. ``COMMAND`` is an ``atom`` subcommand
@@ -34,6 +35,11 @@ Environment of every worker (the rank contract; torchrun sets the starred ones t
                                       ``TORCHELASTIC_ERROR_FILE``)
 ``ATOM_LAUNCHER_PID``                 the launcher's pid
                                       (``atom.launch.env.launched_by_launcher()``)
+``TORCHELASTIC_RESTART_COUNT`` *      with ``--max-restarts``: which start of the group this
+                                      is (0 first)
+``TORCHELASTIC_MAX_RESTARTS`` *       with ``--max-restarts``: K
+``ATOM_FRONT_END_PID_FILE``           with ``--max-restarts``: where rank 0 writes the pid of
+                                      the front end it starts (:mod:`atom.launch.restarts`)
 ====================================  =========================================================
 
 **Under torchrun.** ``torchrun --nproc-per-node 2 -m atom.entrypoints.cli generate ...`` works
@@ -68,6 +74,11 @@ binds the wildcard address); everything else binds this node's address on the ro
 to that interface unless it is set already). So give every node the same ``--master-addr``, an
 address of node 0 that every node reaches; a loopback one on some nodes and not on others is
 refused by every rank at start-up with a message saying so.
+
+**Restarts.** ``--max-restarts K`` (one node; default 0) restarts the whole group after a rank
+failure, up to K times, as torchrun does; an ``atom`` command's front end stays up and resumes
+its in-flight requests on the restarted ranks (:mod:`atom.launch.restarts`). Without it, or
+with no restarts left, a failure stops everything with the report above.
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ from typing import TextIO
 
 from atom.config import oversubscription_warning, resolve_num_threads
 from atom.launch import env as launch_env
+from atom.launch import restarts
 from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, NodeWatch, StopRecord
 from atom.launch.supervisor import Outcome, StopSignals, Supervisor, wait_for_other_nodes
 from atom.launch.workers import WorkerSpec, start_workers
@@ -112,6 +124,7 @@ class LaunchConfig:
     rdzv_timeout_s: float = 300.0  # how long launchers wait for each other (torchrun: 300-600)
     node_timeout_s: float = 30.0  # node 0 declares a node lost after its launcher's silence;
     # far above STORE_POLL_S, so a launcher starved of CPU for a while is not taken for dead
+    max_restarts: int = 0  # restarts of the whole group after a rank failure (one node only)
 
     def __post_init__(self):
         if not self.command:
@@ -135,6 +148,11 @@ class LaunchConfig:
         if not self.node_timeout_s > 3 * STORE_POLL_S:
             raise ValueError(f"--node-timeout-s {self.node_timeout_s:g} must be more than "
                              f"{3 * STORE_POLL_S:g} s (three heartbeats)")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts} must be 0 or more")
+        if self.max_restarts and self.nnodes > 1:
+            raise ValueError("--max-restarts needs a single node (--nnodes 1): restarting the "
+                             "ranks of several nodes together is not supported yet")
 
     @property
     def world_size(self) -> int:
@@ -174,7 +192,8 @@ def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error
     return env
 
 
-def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str) -> list[WorkerSpec]:
+def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
+                  restart_count: int = 0) -> list[WorkerSpec]:
     argv = tuple(worker_argv(config))
     warning = oversubscription_warning(config.nproc_per_node)
     if warning is not None:
@@ -185,8 +204,11 @@ def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str) -> li
         error_path = os.path.join(log_dir, f"rank{rank}.error.json")
         env = worker_env(config, local_rank=local_rank, master_port=master_port,
                          error_path=error_path, base_env=os.environ)
+        env.update(restarts.restart_env(restart_count=restart_count,
+                                        max_restarts=config.max_restarts, log_dir=log_dir))
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env,
-                                log_path=os.path.join(log_dir, f"rank{rank}.stderr.log"),
+                                log_path=os.path.join(log_dir,
+                                                      restarts.log_name(rank, restart_count)),
                                 error_path=error_path, inherit_stdin=rank == 0))
     return specs
 
@@ -218,17 +240,26 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                 config.node_rank, config.nnodes, specs[0].rank, specs[-1].rank,
                 config.world_size, store.address, log_dir, shlex.join(specs[0].argv))
     with StopSignals() as signals:
-        try:
-            workers = start_workers(specs, console=console)
-        except OSError as e:  # e.g. --no-python with a command that does not exist
-            store.publish_stop(StopRecord(node_rank=config.node_rank,
-                                          reason=f"node {config.node_rank} could not start "
-                                                 f"its ranks: {e}"))
-            raise
         watch = (NodeWatch(store, node_timeout_s=config.node_timeout_s, now=time.monotonic())
                  if store.multi_node and store.node_rank == 0 else None)
-        outcome = Supervisor(workers, signals=signals, store=store, watch=watch,
-                             term_timeout_s=config.term_timeout_s).run()
+        for restart_count in range(config.max_restarts + 1):
+            if restart_count:
+                specs = _worker_specs(config, master_port=store.port, log_dir=log_dir,
+                                      restart_count=restart_count)
+            try:
+                workers = start_workers(specs, console=console)
+            except OSError as e:  # e.g. --no-python with a command that does not exist
+                store.publish_stop(StopRecord(node_rank=config.node_rank,
+                                              reason=f"node {config.node_rank} could not start "
+                                                     f"its ranks: {e}"))
+                raise
+            outcome = Supervisor(workers, signals=signals, store=store, watch=watch,
+                                 term_timeout_s=config.term_timeout_s).run()
+            if not restarts.should_restart(outcome, restart_count=restart_count,
+                                           max_restarts=config.max_restarts, log_dir=log_dir):
+                break
+        restarts.stop_front_end(log_dir, clean=outcome.exit_code == 0,
+                                term_timeout_s=config.term_timeout_s)
         store.mark_done()
         if watch is not None:
             grace = (config.term_timeout_s + 3 * STORE_POLL_S + 5 if outcome.stopping
@@ -297,6 +328,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="seconds the launchers of a multi-node run wait for each other")
     p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s,
                    help="seconds of silence after which node 0 takes another node for lost")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=d.max_restarts,
+                   help="restart every rank after a rank failure, up to this many times "
+                        "(one node); an atom command's front end resumes its requests")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="an atom subcommand (generate ...), a script.py, or with --no-python "
                         "any executable; separate it with -- if it starts with a dash")
@@ -315,7 +349,8 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str | None = None) 
                             no_python=args.no_python, log_dir=args.log_dir,
                             term_timeout_s=args.term_timeout_s,
                             rdzv_timeout_s=args.rdzv_timeout_s,
-                            node_timeout_s=args.node_timeout_s)
+                            node_timeout_s=args.node_timeout_s,
+                            max_restarts=args.max_restarts)
     except ValueError as e:
         parser.error(str(e))
         raise AssertionError("unreachable") from e  # parser.error exits

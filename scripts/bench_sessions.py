@@ -209,6 +209,15 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
+def report(args, *, table: str, load: dict, results: dict) -> None:
+    """Print ``table``; write the args, the CPU, the load averages and the results as JSON to
+    ``args.output_json``."""
+    print(table)
+    write_json_report(args.output_json, {"args": {k: str(v) for k, v in vars(args).items()},
+                                         "cpu": cpu_description(), "load_average": load,
+                                         "results": results})
+
+
 def cpu_description() -> str:
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
@@ -244,10 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         load[policy] = {"before": load_before, "after": os.getloadavg()[0]}
         print(f"{policy}: {wall_s:.1f} s, load average {load_before:.1f} -> "
               f"{load[policy]['after']:.1f}", flush=True)
-    print(format_table(results))
-    write_json_report(args.output_json, {"args": {k: str(v) for k, v in vars(args).items()},
-                                         "cpu": cpu_description(), "load_average": load,
-                                         "results": results})
+    report(args, table=format_table(results), load=load, results=results)
     return 0
 
 

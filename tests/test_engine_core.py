@@ -148,7 +148,7 @@ def test_finish_requests_frees_kv_and_is_not_an_abort(client):
 
 
 def test_malformed_frame_is_dropped_and_the_core_keeps_serving(client):
-    client._inputs[0].send(b"\xc1 not msgpack")  # noqa: SLF001 - a front-end bug, simulated
+    client._sockets.inputs[0].send(b"\xc1 not msgpack")  # noqa: SLF001 - a front-end bug, simulated
     client.add_request(_request("after-garbage", max_tokens=2))
     assert _collect(client, "after-garbage")[-1].finish_reason == "length"
 
@@ -157,7 +157,7 @@ def test_request_frame_with_bad_sampling_params_fails_that_request_alone(client)
     # a front-end bug, simulated: parameters the API boundary would have refused reach the core
     raw = msgspec.to_builtins(_request("bad-params", n=2, temperature=1.0))
     raw["sampling_params"]["temperature"] = -1.0
-    client._inputs[0].send(msgspec.msgpack.encode(raw))  # noqa: SLF001
+    client._sockets.inputs[0].send(msgspec.msgpack.encode(raw))  # noqa: SLF001
     outputs = _collect(client, "bad-params")
     assert sorted(o.index for o in outputs) == [0, 1]
     assert all(o.finish_reason == "error" and "temperature" in o.error for o in outputs)

@@ -48,10 +48,12 @@ def test_engine_does_not_import_dp_launch_or_entrypoints(path):
 
 
 # the bookkeeping (sequence, block manager, scheduler), the wire types and the front end's client
-# (so the HTTP layer can validate and send without torch), and the rank contract
+# (so the HTTP layer can validate and send without torch) with its liveness and processes, and
+# the rank contract
 @pytest.mark.parametrize("name", ["atom/sequence.py", "atom/block_manager.py", "atom/scheduler.py",
                                   "atom/sampling_params.py", "atom/messages.py", "atom/config.py",
-                                  "atom/engine_core_client.py", "dp/rank_contract.py",
+                                  "atom/engine_core_client.py", "atom/liveness.py",
+                                  "atom/spawned_ranks.py", "dp/rank_contract.py",
                                   "dp/node_address.py"])
 def test_core_bookkeeping_and_wire_types_are_torch_free(name):
     bad = {n for n in _imports(ROOT / name) if n.split(".")[0] == "torch"}

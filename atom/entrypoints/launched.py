@@ -22,6 +22,13 @@ together (one last control sync) and exit 0; rank 0 then exits with the front en
 If the front end dies without that (a crash, a signal), rank 0 exits with an error and the
 launcher stops every rank; if a rank dies, the launcher stops them all, and the front end with
 rank 0's process group.
+
+Restarts (``atom launch --max-restarts K``, one node): rank 0 of the first start runs the
+front end in a session of its own and writes its pid to ``ATOM_FRONT_END_PID_FILE``; when a
+rank fails the launcher stops and restarts the ranks, the front end stays, the restarted
+ranks (``TORCHELASTIC_RESTART_COUNT`` > 0) find its endpoints in the launcher's store, and the
+front end resumes its in-flight requests on them (docs/ARCHITECTURE.md, "Rank failures"). The
+launcher stops the front end when it gives up or the run ends.
 """
 
 from __future__ import annotations
@@ -93,7 +100,8 @@ def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
             pipe.write(json.dumps({"output": output_addr, "inputs": input_addrs}) + "\n")
 
     # this node's address as the other nodes reach it (127.0.0.1 for a loopback master)
-    ranks = LaunchedRanks(route_source_address(info.master_addr, info.master_port), announce)
+    ranks = LaunchedRanks(route_source_address(info.master_addr, info.master_port), announce,
+                          max_restarts=info.max_restarts)
     return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos_token_ids, ranks=ranks)
 
 
@@ -122,7 +130,9 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
     info = RankInfo.from_env()
     timeout_s = config.dp_group_timeout_s
     master = dict(master_addr=info.master_addr)  # endpoints must be reachable from every node
-    front_end, announcements = _start_front_end(argv) if info.rank == 0 else (None, None)
+    # a restarted group (--max-restarts) finds the front end of its first start still running
+    starts_front_end = info.rank == 0 and info.restart_count == 0
+    front_end, announcements = _start_front_end(argv) if starts_front_end else (None, None)
     try:
         extra_eos = () if config.skip_tokenizer_init else tokenizer_eos_token_ids(
             load_tokenizer(config.model))
@@ -145,11 +155,13 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
-        if front_end is not None and front_end.poll() is None:
+        if front_end is not None and front_end.poll() is None and not info.max_restarts:
             front_end.terminate()
         return 0
     except BaseException:
-        if front_end is not None and front_end.poll() is None:
+        # with restarts the front end outlives the group (a peer's death fails this rank's
+        # collectives first): the launcher decides its end
+        if front_end is not None and front_end.poll() is None and not info.max_restarts:
             front_end.kill()
         raise
     finally:
@@ -167,14 +179,23 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
 
 def _start_front_end(argv: list[str]):
     """Start the front end (``python -m atom.entrypoints.cli ARGV``) with a pipe to announce
-    its endpoints on; stdin, stdout and stderr are this rank's."""
+    its endpoints on; stdin, stdout and stderr are this rank's. Under ``atom launch
+    --max-restarts`` (``ATOM_FRONT_END_PID_FILE`` set) it runs in a session of its own, so that
+    stopping this rank's process group for a restart leaves it running, and its pid goes to
+    that file for the launcher, which stops it at the end."""
+    from atom.launch.env import FRONT_END_PID_FILE_ENV
+
     read_fd, write_fd = os.pipe()
     env = {**os.environ, FRONT_END_FD_ENV: str(write_fd)}
+    pid_file = os.environ.get(FRONT_END_PID_FILE_ENV, "")
     try:
         proc = subprocess.Popen([sys.executable, "-m", "atom.entrypoints.cli", *argv], env=env,
-                                pass_fds=(write_fd,))
+                                pass_fds=(write_fd,), start_new_session=bool(pid_file))
     finally:
         os.close(write_fd)
+    if pid_file:
+        with open(pid_file, "w") as f:
+            f.write(f"{proc.pid}\n")
     return proc, os.fdopen(read_fd, "r")
 
 

@@ -174,7 +174,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, *, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an explicit weight: nn.Embedding's own init (normal_) imports torch._dynamo under the
+        # meta device (seconds of every engine start, and of every recovery from a rank failure)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

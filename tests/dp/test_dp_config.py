@@ -118,3 +118,21 @@ def test_more_ranks_than_cores_is_warned_about():
     assert oversubscription_warning(2, num_cpus=2) is None
     warning = oversubscription_warning(3, num_cpus=2)
     assert "3 engine processes on 2 CPU cores" in warning and "at most 2" in warning
+
+
+def test_rank_failure_flags_and_the_shrunk_config(caplog):
+    config = _parse(["--data-parallel-size", "2", "--engine-hang-timeout-s", "5",
+                     "--on-rank-failure", "replace", "--no-resume-on-rank-failure"])
+    assert (config.engine_hang_timeout_s, config.on_rank_failure,
+            config.resume_on_rank_failure) == (5.0, "replace", False)
+    default = _parse([])
+    assert (default.engine_hang_timeout_s, default.on_rank_failure,
+            default.resume_on_rank_failure) == (60.0, "shrink", True)
+    for bad in (dict(engine_hang_timeout_s=1.0), dict(on_rank_failure="pray")):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    dp3 = EngineConfig(data_parallel_size=3, prefill_policy="coalescer", dp_trace="/tmp/t")
+    assert dp3.with_data_parallel_size(2).prefill_policy == "coalescer"
+    one = dp3.with_data_parallel_size(1)  # the DP-only options no longer apply, and say so
+    assert (one.data_parallel_size, one.prefill_policy, one.dp_trace) == (1, None, None)
+    assert "prefill_policy='coalescer', dp_trace='/tmp/t' no longer apply" in caplog.text

@@ -1,5 +1,6 @@
-"""A DP rank that dies surfaces as EngineDeadError in the front end (never a hang), and
-shutdown still stops the surviving rank."""
+"""With ``on_rank_failure="stop"``, a DP rank that dies surfaces as EngineDeadError in the
+front end (never a hang), and shutdown still stops the surviving rank. (Recovery from a rank
+failure: tests/entrypoints/test_rank_failure*.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from atom.engine_core_client import EngineDeadError
 
 def test_killed_rank_raises_engine_dead_error():
     llm = LLM(data_parallel_size=2, dtype="float32", num_kv_blocks=32, max_model_len=256,
-              num_threads=1)
+              num_threads=1, on_rank_failure="stop")
     procs = list(llm.engine.client.ranks.procs)
     try:
         procs[1].kill()

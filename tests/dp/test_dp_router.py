@@ -227,3 +227,17 @@ def test_sessions_are_forgotten_least_recently_used_first(monkeypatch):
     for i, session in enumerate("abac"):
         r.dispatch(str(i), session_id=session)
     assert r.session_rank("b") is None and r.session_rank("a") is not None
+
+
+def test_reset_releases_every_charged_request_once_and_resizes():
+    r = DPRouter("cache_aware", 3, cache_aware=CacheAwareSettings(0.5, LoadGuard(2, 1.5)))
+    for i in range(5):
+        r.dispatch(str(i), session_id="s")
+    r.release("0")
+    assert r.reset(2) == 4  # the released one is not released again
+    assert r.loads == [0, 0] and r.rank_of("1") is None and r.session_rank("s") is None
+    assert r.release("1") is None  # idempotent after the reset
+    assert len(r.rank_stats()) == 2 and r.rank_stats()[0]["dp_router_decisions_session"] > 0
+    assert r.dispatch("1") in (0, 1) and sum(r.loads) == 1
+    with pytest.raises(ValueError):
+        r.reset(0)

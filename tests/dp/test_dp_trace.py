@@ -11,7 +11,14 @@ import sys
 
 import pytest
 
-from atom.dp.dp_trace import TRACE_COLUMNS, TraceWriter, read_trace, tick_row, to_perfetto
+from atom.dp.dp_trace import (
+    TRACE_COLUMNS,
+    TraceWriter,
+    generation_folder,
+    read_trace,
+    tick_row,
+    to_perfetto,
+)
 from atom.dp.prefill_policy import Decision, DecisionReason
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
 
@@ -67,6 +74,22 @@ def test_rows_round_trip_through_the_writer(trace_dir):
         (1, "allow_all"), (0, "hold_decode_interval"), (1, "disabled")]
     assert [(r["step_is_dummy"], r["step_num_prefill_tokens"], r["mixed"]) for r in rows] == [
         (0, 64, 0), (1, 0, 0), (0, 64, 1)]
+
+
+def test_a_later_generation_writes_a_folder_of_its_own_with_its_events(trace_dir):
+    membership = {"event": "membership_change", "tick": 0, "generation": 1, "dp_size": 1,
+                  "num_collectives": 5}
+    writer = TraceWriter(trace_dir, dp_rank=0, dp_size=1, policy="none", generation=1)
+    writer.write_event(membership)
+    writer.write(TICKS[0][0])
+    writer.close()
+    assert writer.path == trace_dir / "gen1" / "dp0.jsonl" == generation_folder(trace_dir, 1) / \
+        "dp0.jsonl"
+    (later,) = read_trace(generation_folder(trace_dir, 1))
+    assert (later.header["generation"], later.header["dp_size"]) == (1, 1)
+    assert later.events == [membership] and [r["tick"] for r in later.rows] == [0]
+    first = read_trace(trace_dir)  # the first group's trace is untouched
+    assert [(t.header["generation"], len(t.rows), t.events) for t in first] == [(0, 3, [])] * 2
 
 
 def test_read_trace_rejects_missing_ranks_and_foreign_files(tmp_path):

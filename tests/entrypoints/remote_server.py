@@ -35,14 +35,15 @@ def _free_port() -> int:
 
 class RemoteServer:
     """``atom serve ARGS`` in a subprocess (``launcher``: e.g. ``("launch", "--nproc-per-node",
-    "2")`` to start it as a launched deployment); ready once ``/health`` answers 200.
+    "2")`` to start it as a launched deployment; ``stderr``: a file for its stderr, else
+    ours); ready once ``/health`` answers 200.
 
     Raises:
         RuntimeError: the process exited or was not healthy within the start-up timeout.
     """
 
     def __init__(self, *args: str, api_key: str | None = None, data_parallel_size: int = 1,
-                 launcher: tuple[str, ...] = ()):
+                 launcher: tuple[str, ...] = (), stderr=None):
         self.port = _free_port()
         self.data_parallel_size = data_parallel_size
         self.api_key = api_key
@@ -51,7 +52,8 @@ class RemoteServer:
                "--data-parallel-size", str(data_parallel_size), *args]
         if api_key is not None:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ})
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ},
+                                     stderr=stderr)
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

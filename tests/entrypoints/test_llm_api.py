@@ -61,7 +61,11 @@ def test_stats_keys(llm):
     assert set(llm.get_stats()) == {"num_free_blocks", "num_total_blocks", "num_running", "num_waiting",
                                     "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
                                     "prefix_cache_hit_rate", "num_aborted_seqs",
-                                    "num_front_end_finished_seqs"}
+                                    "num_front_end_finished_seqs", "rank_failures_dead",
+                                    "rank_failures_hung", "rank_recoveries",
+                                    "recovery_seconds_total", "recovery_seconds_last", "dp_size",
+                                    "generation", "num_resumed_requests",
+                                    "num_unresumed_requests"}
 
 
 def test_shutdown_is_final():

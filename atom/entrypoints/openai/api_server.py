@@ -14,7 +14,8 @@ session on one rank (``--dp-load-balance cache_aware``).
 A client that disconnects aborts its request (streaming: the response task is cancelled;
 non-streaming: a watcher on the connection cancels the handler), so its KV blocks are freed
 within a step. ``/health`` is 503 once an engine core has exited or does not answer a stats call
-within ``_HEALTH_TIMEOUT_S``.
+within ``_HEALTH_TIMEOUT_S``, and at once while the engine recovers from a rank failure (its
+JSON body says which rank failed and why, and the membership: generation, DP size, ranks).
 
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 ``--drain-timeout`` seconds for in-flight responses, then cancels the rest (which aborts their
@@ -39,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom.engine import DEAD, SERVING
 from atom.engine_core_client import EngineDeadError
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
@@ -80,12 +82,28 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            alive = await engine.call(lambda e: e.client_is_alive() and bool(e.get_stats()),
-                                      timeout_s=_HEALTH_TIMEOUT_S)
-        except (EngineDeadError, TimeoutError):
+        """200 while serving: every core answered a stats call; the body is the group's
+        membership. 503 otherwise: recovering from a rank failure, dead, or unresponsive;
+        ``message`` says which rank and why."""
+        status = engine.status
+        body = {"status": status.state, "message": status.message, **status.membership}
+        if status.state == SERVING:
+            try:
+                alive, membership = await engine.call(
+                    lambda e: (e.client_is_alive() and bool(e.get_stats()), e.membership()),
+                    timeout_s=_HEALTH_TIMEOUT_S)
+                body.update(membership)
+            except EngineDeadError as exc:
+                alive, body["status"], body["message"] = False, DEAD, str(exc)
+            except TimeoutError:
+                alive, body["status"] = False, "unresponsive"
+                body["message"] = (f"the engine did not answer a stats call within "
+                                   f"{_HEALTH_TIMEOUT_S:g} s")
+            if not alive and body["status"] == SERVING:
+                body["status"] = DEAD
+        else:
             alive = False
-        return Response(status_code=200 if alive else 503)
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -11,8 +11,12 @@ While no request is unfinished the thread sleeps on the command queue (no pollin
 whose consumer goes away (client disconnect, cancelled task) is aborted by :meth:`generate`'s
 ``finally``; a request that finished inside the engine is never aborted (no abort message).
 
-If the engine dies (an engine-core process exited: ``EngineDeadError``), every open request
-and every later call gets that error; :attr:`dead_error` says why.
+If the engine dies (an engine-core process exited or hung and the deployment cannot go on:
+``EngineDeadError``), every open request and every later call gets that error;
+:attr:`dead_error` says why. A rank failure the engine recovers from happens inside a
+``step()`` on this thread (docs/ARCHITECTURE.md, "Rank failures"): open streams pause and go on,
+requests submitted meanwhile wait in the queue, and :attr:`status` (readable from any thread)
+says ``recovering``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from atom.engine import DEAD, EngineStatus
 from atom.engine_core_client import EngineDeadError
 from atom.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
@@ -95,6 +100,15 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def status(self) -> EngineStatus:
+        """The engine's :class:`~atom.engine.EngineStatus`; ``dead`` once the thread stopped
+        (safe from any thread: the engine replaces its status, never mutates it)."""
+        status = self.engine.status
+        if self.dead_error is not None and status.state != DEAD:
+            status = EngineStatus(DEAD, str(self.dead_error), status.membership)
+        return status
 
     # ----- asyncio side -----
 

@@ -15,7 +15,10 @@ Two sources:
   load (unfinished requests it charged to the rank) and decisions per reason
   (``atom.dp.router.REASONS``);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
-  (batches applied, gaps detected / healed / unhealed, lost batches, decode failures);
+  (batches applied, gaps detected / healed / unhealed, lost batches, decode failures); rank
+  failures (``atom:rank_failures{kind="dead"|"hung"}``), recoveries (fresh groups started),
+  the seconds they took (``atom:rank_recovery_seconds``, sum, and the last one), requests
+  resumed after them and requests they failed, the group's DP size and generation;
 - per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
   latency histograms (seconds), prompt and generation token counters, finished requests per
   ``finished_reason``.
@@ -84,6 +87,24 @@ _SUBSCRIBER_COUNTERS = (
     ("atom:kv_events_subscriber_decode_failures", "kv_subscriber_num_decode_failures",
      "Unreadable KV event messages, payloads or events."),
 )
+# (metric name, front-end stats key, help): rank failures and recoveries (every client)
+_RECOVERY_COUNTERS = (
+    ("atom:rank_recoveries", "rank_recoveries",
+     "Fresh groups of engine cores started after rank failures."),
+    ("atom:rank_recovery_seconds", "recovery_seconds_total",
+     "Seconds from a rank failure's detection to the new group's ready messages, summed."),
+    ("atom:resumed_requests", "num_resumed_requests",
+     "In-flight requests resumed on a new group after a rank failure."),
+    ("atom:unresumed_requests", "num_unresumed_requests",
+     "In-flight requests a rank failure ended with an error instead."),
+)
+_RECOVERY_GAUGES = (
+    ("atom:rank_recovery_last_seconds", "recovery_seconds_last",
+     "Seconds the last recovery took (0 before any)."),
+    ("atom:dp_size", "dp_size", "Engine-core ranks in the current group."),
+    ("atom:group_generation", "generation",
+     "Groups started before the current one (0 until a rank failure)."),
+)
 _DECISIONS_PREFIX = "prefill_policy_decisions_"  # + reason: the DP loop's stats keys
 _POLICY_GAUGES = (
     ("hold_rate", "Prefill policy holds / ticks where some rank could admit a prefill."),
@@ -130,11 +151,24 @@ class _EngineCollector:
         yield _per_reason("atom:dp_router_decisions",
                           "DP router decisions per reason, by destination rank (DP only).",
                           rows, _ROUTER_PREFIX, REASONS)
-        for name, key, doc in _SUBSCRIBER_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            if key in self.front_end_stats:
-                family.add_metric([self.model_name], self.front_end_stats[key])
+        yield from self._front_end_families()
+
+    def _front_end_families(self):
+        stats, model = self.front_end_stats, [self.model_name]
+        for kind, name, key, doc in ([(CounterMetricFamily, *c) for c in _SUBSCRIBER_COUNTERS]
+                                     + [(CounterMetricFamily, *c) for c in _RECOVERY_COUNTERS]
+                                     + [(GaugeMetricFamily, *g) for g in _RECOVERY_GAUGES]):
+            family = kind(name, doc, labels=["model_name"])
+            if key in stats:
+                family.add_metric(model, stats[key])
             yield family
+        failures = CounterMetricFamily("atom:rank_failures", "Engine-core ranks lost, by kind "
+                                       "(dead: the process exited; hung: no heartbeat).",
+                                       labels=["model_name", "kind"])
+        for kind in ("dead", "hung"):
+            if f"rank_failures_{kind}" in stats:
+                failures.add_metric(model + [kind], stats[f"rank_failures_{kind}"])
+        yield failures
 
     def _policy_families(self, labels: list[str], rows: list[tuple[list[str], dict]]):
         """The prefill policy's series (DP only: a single rank has no policy stats)."""

@@ -266,7 +266,8 @@ class OpenAIServing:
         """Per-choice deltas; ``tally`` holds the usage once the iterator is exhausted.
 
         Raises:
-            APIError: the engine refused a prompt (e.g. it can never fit the KV cache).
+            APIError: the engine refused a prompt (e.g. it can never fit the KV cache: 400),
+                or a rank failure ended the request without resuming it (503).
         """
         cursors = [[_ChoiceCursor() for _ in range(params.n)] for _ in prompts]
         tally.prompt_tokens = [len(x.token_ids) for x in prompts]
@@ -274,6 +275,9 @@ class OpenAIServing:
         async for i, out in self.outputs(prompts, params, session_id=session_id):
             tally.cached_tokens[i] = out.num_cached_tokens
             for c in out.outputs:
+                if c.finish_reason == "error" and out.extra.get("rank_failure"):
+                    raise APIError(c.error or "the ranks running the request were lost",
+                                   status=503, type="server_error", code="rank_failure")
                 delta = _advance(cursors[i][c.index], c, prompt_index=i, n=params.n,
                                  want_logprobs=params.logprobs is not None)
                 if delta is not None:
