@@ -58,13 +58,19 @@ def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],
 
 class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
     """A request as the core sees it: token ids, sampling parameters, arrival time (seconds,
-    ``time.monotonic()`` of the front end) and the DP wave the front end believed current."""
+    ``time.monotonic()`` of the front end) and the DP wave the front end believed current.
+
+    ``arrival_tick`` (tick-clocked replay, DP ranks only; None = at once): the DP rank holds
+    the request until tick ``arrival_tick`` of the wave (counted from the wave's first tick,
+    identical on every rank), then hands it to its scheduler (``atom.dp.tick.TickArrivals``).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time_s: float
     wave_id: int = 0
+    arrival_tick: int | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
