@@ -13,10 +13,11 @@ Two parts, both on the real engine:
    per-tick trace on; the simulator replays the same workload (its steps equal the real
    run's, tick for tick) with the grid's coefficients, and every tick's duration for the
    group (:func:`group_step_durations`) is fitted, by non-negative least squares in seconds,
-   as ``compute_scale`` × the grid's slowest-rank compute + ``tick_s`` (+ with expert
-   parallelism ``ep_fixed_s`` and ``ep_row_s`` per micro-batch). The grid gives the relative
-   costs of batch shapes; the real ranks, which share the cores with each other, the front
-   end and whatever else runs, give their level.
+   as ``compute_scale`` × the grid's slowest-rank compute + ``tick_s``; with expert
+   parallelism a second replay, the experts now sharded, fits ``ep_fixed_s`` and ``ep_row_s``
+   per micro-batch on what that leaves. The grid gives the relative costs of batch shapes;
+   the real ranks, which share the cores with each other, the front end and whatever else
+   runs, give their level.
 
 The profile records the machine (CPU model and flags, threads), dtype, model, date, the raw
 measurements and both fits' errors. Runs take a minute or two each on two cores.
@@ -227,33 +228,39 @@ def calibration_workload() -> list[TraceRequest]:
 
 def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
               requests: list[TraceRequest]) -> tuple[dict, dict]:
-    """Run ``requests`` tick-clocked on real ranks and in the simulator; fit the per-tick
-    overhead and the EP terms on the residuals. Returns the terms and the fit's errors."""
+    """Run ``requests`` tick-clocked on real ranks and in the simulator (with
+    ``coefficients``); fit the group's terms on every tick's duration. Without expert
+    parallelism: ``compute_scale`` and ``tick_s`` (``coefficients`` holds the grid's only).
+    With it: ``ep_fixed_s`` and ``ep_row_s`` on what the level and the tick, fitted before on
+    the same model without expert parallelism (in ``coefficients``), leave: the compute
+    and the EP rows both grow with the step's tokens, so fitted together the collectives
+    would take the compute's share. Returns the terms and the fit's errors."""
     from atom.dp.dp_trace import read_trace
-    from atom.dp.sim import simulate
     from atom.dp.sim.replay import run_real
 
     with tempfile.TemporaryDirectory(prefix="atom-calibrate-") as folder:
         run_real(requests, dataclasses.replace(config, dp_trace=folder), name="calibration")
-        rows = read_trace(folder)[0].rows
-    periods = group_step_durations(rows)
-    profile = Profile(Coefficients(**coefficients), model_facts=facts)
-    sim = _simulate_with_log(requests, config, profile)
-    log = [(tick, cost) for tick, cost in sim.step_log if tick in periods]
+        periods = group_step_durations(read_trace(folder)[0].rows)
+    profile = Profile(Coefficients(**{**coefficients, "ep_fixed_s": 0.0, "ep_row_s": 0.0}),
+                      model_facts=facts)
+    log = [(tick, cost) for tick, cost in _simulate_with_log(requests, config, profile).step_log
+           if tick in periods]
     if len(log) != len(periods):
         raise RuntimeError("the simulated replay's ticks differ from the real run's "
                            f"({len(log)} of {len(periods)} matched): step parity is broken")
     measured = np.array([periods[tick] for tick, _ in log])
-    ep = config.enable_expert_parallel
-    world = config.data_parallel_size
-    a = np.array([[cost.compute_s, 1.0] + (
-        [cost.num_micro_batches * (cost.max_num_tokens > 0),
-         cost.num_micro_batches * cost.max_num_tokens * (world - 1)] if ep else [])
-        for _, cost in log])
-    x = nnls(a, measured)
-    terms = {"compute_scale": float(x[0]), "tick_s": float(x[1]),
-             "ep_fixed_s": float(x[2]) if ep else 0.0, "ep_row_s": float(x[3]) if ep else 0.0}
-    return terms, {**rel_errors(a @ x, measured), "real_wall_s": float(measured.sum())}
+    if not config.enable_expert_parallel:
+        a = np.array([[cost.compute_s, 1.0] for _, cost in log])
+        x = nnls(a, measured)
+        terms, predicted = {"compute_scale": float(x[0]), "tick_s": float(x[1])}, a @ x
+    else:
+        rest = np.array([cost.total_s for _, cost in log])  # the scaled compute + the tick
+        a = np.array([[cost.num_micro_batches * (cost.max_num_tokens > 0),
+                       cost.num_micro_batches * cost.max_num_tokens
+                       * (config.data_parallel_size - 1)] for _, cost in log])
+        x = nnls(a, measured - rest)
+        terms, predicted = {"ep_fixed_s": float(x[0]), "ep_row_s": float(x[1])}, rest + a @ x
+    return terms, {**rel_errors(predicted, measured), "real_wall_s": float(measured.sum())}
 
 
 def group_step_durations(rows: list[dict]) -> dict[int, float]:
@@ -295,10 +302,16 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
     coefficients, grid_fit = fit_grid(measurements)
     fit = {"grid": grid_fit}
     if group:
-        terms, fit["group"] = fit_group(dataclasses.replace(
-            config, num_kv_blocks=config.num_kv_blocks or 64, max_model_len=1024,
-            enable_prefix_caching=False), coefficients, facts, calibration_workload())
+        group_config = dataclasses.replace(config, num_kv_blocks=config.num_kv_blocks or 64,
+                                           max_model_len=1024, enable_prefix_caching=False)
+        terms, fit["group"] = fit_group(
+            dataclasses.replace(group_config, enable_expert_parallel=False), coefficients,
+            facts, calibration_workload())
         coefficients.update(terms)
+        if config.enable_expert_parallel:
+            terms, fit["group_ep"] = fit_group(group_config, coefficients, facts,
+                                               calibration_workload())
+            coefficients.update(terms)
     model = config.model or "embedded SmolLM2-135M-Instruct"
     if config.moe_split_experts:
         model += f", MLPs split into {config.moe_split_experts} experts (model (a))"
@@ -310,5 +323,5 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
         notes=(f"atom sim calibrate: grid of {len(measurements)} batches x {repeats} repeats "
                f"(median) on one in-process core, {threads} thread(s); group terms from a "
                f"tick-clocked replay on {config.data_parallel_size} real ranks"
-               f"{' with expert parallelism' if config.enable_expert_parallel else ''}; "
+               f"{', then one with expert parallelism' if config.enable_expert_parallel else ''}; "
                f"{time.monotonic() - start:.0f} s"))

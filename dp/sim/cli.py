@@ -105,10 +105,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     grid = profile.fit["grid"]
     print(f"grid fit: mean |error| {grid['mean_abs_rel_error']:.1%}, max "
           f"{grid['max_abs_rel_error']:.1%} over {grid['num_points']} batches")
-    if "group" in profile.fit:
-        group = profile.fit["group"]
-        print(f"group fit: mean |error| per tick {group['mean_abs_rel_error']:.1%}, total "
-              f"{group['total_rel_error']:.1%} over {group['num_points']} ticks")
+    for part in ("group", "group_ep"):
+        if part in profile.fit:
+            group = profile.fit[part]
+            print(f"{part} fit: mean |error| per tick {group['mean_abs_rel_error']:.1%}, total "
+                  f"{group['total_rel_error']:.1%} over {group['num_points']} ticks")
     print(f"wrote {out}")
     return 0
 
