@@ -302,7 +302,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
              front_end: subprocess.Popen | None = None) -> None:
     """Run this process as one DP rank until the ranks stop together.
 
-    Loads the engine core, joins the process groups (rank contract from the environment),
+    Joins the process groups (rank contract from the environment), loads the engine core,
     gets the front end's ``(input_addr, output_addr)`` from ``endpoints(groups)``, connects,
     sends the ready message and runs :meth:`DPEngineCoreProc.run_busy_loop`.
 
@@ -323,10 +323,13 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
     if config.data_parallel_size != info.dp_size:
         raise ValueError(f"data_parallel_size={config.data_parallel_size} but WORLD_SIZE gives "
                          f"{info.dp_size} DP ranks")
-    core = EngineCore(config, extra_eos_token_ids=extra_eos_token_ids, dp_rank=info.dp_rank)
-    proc = None
+    # groups first: the ranks start together, so the rendezvous never waits out one rank's
+    # slower model load (under load that exceeded a short --dp-group-timeout-s); an idle rank
+    # issues no collective until a wave starts, after every rank is ready
     groups = init_process_groups(info, timeout_s=config.dp_group_timeout_s)
+    core = proc = None
     try:
+        core = EngineCore(config, extra_eos_token_ids=extra_eos_token_ids, dp_rank=info.dp_rank)
         expert_parallel = None
         if config.enable_expert_parallel:
             from atom.dp.expert_parallel import apply_expert_parallel
@@ -347,7 +350,8 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         proc.send_ready()
         proc.run_busy_loop()
     finally:
-        core.close()
+        if core is not None:
+            core.close()
         if proc is not None:
             proc.close()
         groups.destroy()

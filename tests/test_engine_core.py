@@ -24,7 +24,6 @@ from atom.engine_core_client import EngineDeadError, MPClient
 from atom.kv_subscriber import KVEventSubscriber
 from atom.messages import EngineCoreRequest, SeqOutput
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
 
 # KV events on, on OS-chosen loopback ports
 CONFIG = EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256,

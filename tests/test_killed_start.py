@@ -24,7 +24,7 @@ BUILD_LINE = "building atom's CPU kernels"
 START_TIMEOUT_S = 300  # generous liveness deadline for a start on a shared 2-core machine
 GONE_TIMEOUT_S = 30
 
-pytestmark = [pytest.mark.xdist_group("multiproc"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 class Started:

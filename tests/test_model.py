@@ -119,17 +119,14 @@ def smol_hf():
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
-@pytest.mark.xdist_group("model")
 def test_smollm2_prefill_and_decode_match_transformers(smol_runner, smol_hf):
     _check_prefill_then_decode(smol_runner, smol_hf, _random_tokens(37, 49152, seed=0))
 
 
-@pytest.mark.xdist_group("model")
 def test_smollm2_chunked_prefill_in_mixed_batch_matches_transformers(smol_runner, smol_hf):
     _check_chunked_mixed_batch(smol_runner, smol_hf, 49152)
 
 
-@pytest.mark.xdist_group("model")
 def test_empty_step_and_padding_write_no_kv(smol_runner):
     before = [c.clone() for c in smol_runner.kv_caches]
     for num_padding_tokens in (0, 3):
@@ -139,7 +136,6 @@ def test_empty_step_and_padding_write_no_kv(smol_runner):
     assert all(torch.equal(a, b) for a, b in zip(before, smol_runner.kv_caches))
 
 
-@pytest.mark.xdist_group("model")
 def test_runner_rejects_a_step_that_does_not_fit(smol_runner):
     seq = _seq([1, 2, 3, 4])
     with pytest.raises(ValueError, match="block table"):
@@ -214,7 +210,6 @@ def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tm
     _check_chunked_mixed_batch(runner, hf_model, 256)
 
 
-@pytest.mark.xdist_group("model")
 def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(smol_hf):
     """bf16 rounds differently from transformers' bf16 (fused GEMMs), so compare error sizes:
     our bf16 logits must be about as far from the fp32 reference as transformers' bf16 are."""

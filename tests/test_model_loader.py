@@ -32,7 +32,6 @@ def cold_load(gguf_path, tmp_path_factory):
     return cache, config, state_dict
 
 
-@pytest.mark.xdist_group("model")
 def test_gguf_arch_config(cold_load):
     _, config, _ = cold_load
     assert config == ModelArchConfig(
@@ -43,7 +42,6 @@ def test_gguf_arch_config(cold_load):
     assert config.rms_norm_eps == pytest.approx(1e-5)
 
 
-@pytest.mark.xdist_group("model")
 def test_gguf_state_dict_names_and_shapes(cold_load):
     _, config, sd = cold_load
     assert "lm_head.weight" not in sd  # tied
@@ -55,7 +53,6 @@ def test_gguf_state_dict_names_and_shapes(cold_load):
     assert all(t.dtype == torch.bfloat16 for t in sd.values())
 
 
-@pytest.mark.xdist_group("model")
 def test_warm_load_reads_the_disk_cache(cold_load, gguf_path, monkeypatch):
     cache, config, sd = cold_load
     files = list((cache / "weights").glob("*-bfloat16.safetensors"))
@@ -83,7 +80,6 @@ def test_reverse_permute_inverts_llama_cpp_permute():
     assert torch.equal(model_loader._reverse_llama_permute(permute(w, 3), 3), w)
 
 
-@pytest.mark.xdist_group("model")
 def test_gguf_tokenizer_is_cached_with_chat_template(gguf_path, tmp_path, monkeypatch):
     monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path))
     built = load_tokenizer(str(gguf_path))

@@ -23,7 +23,6 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VENV_BIN = pathlib.Path(sys.executable).parent

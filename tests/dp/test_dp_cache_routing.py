@@ -19,7 +19,6 @@ from atom.kv_events import BlockRemoved
 from atom.kv_subscriber import wire_block_hashes
 from tests.test_kv_subscriber import RecordingSubscriber
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 BLOCK_SIZE = 16
 # a pool for 4 sessions of 4 turns per rank (~55 blocks each), small enough for evictions
@@ -202,9 +201,11 @@ def test_index_equals_each_block_manager_after_evictions_and_a_gap_heals(llm):
         for _ in range(12):  # mixed prompts (shared prefixes, repeats) until both ranks evict
             prompts = [shared + random_tokens(rng, 272), random_tokens(rng, 400),
                        shared + random_tokens(rng, 60)]
-            llm.generate(prompts + prompts[:1], REPLY)
+            # pinned to both ranks: the router alone may keep one rank's pool from filling
+            llm.generate((prompts + prompts[:1]) * 2, REPLY, data_parallel_rank=[0] * 4 + [1] * 4)
             outside.poll()
-            if min(removed) > 0 and min(num_dropped) == 2:
+            # a live frame after the two lost ones shows the gap (live_seqs has no lost one)
+            if min(removed) > 0 and all(outside.live_seqs[rank] for rank in (0, 1)):
                 break
         expected = cached_block_hashes(llm)
         wait_index_equals(client.kv_subscriber, expected)

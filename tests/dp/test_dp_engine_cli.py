@@ -6,9 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 ATOM = str(pathlib.Path(sys.executable).parent / "atom")
 ARGS = ["generate", "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1",

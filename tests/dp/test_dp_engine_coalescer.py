@@ -18,7 +18,6 @@ import pytest
 from atom.config import EngineConfig
 from atom.dp.dp_trace import read_trace
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "dp_experiment.py"
 NUM_BURSTS, BURST_SIZE, NUM_PRESSURE = 6, 4, 3  # the script's defaults

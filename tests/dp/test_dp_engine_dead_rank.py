@@ -10,7 +10,6 @@ import pytest
 from atom import LLM, SamplingParams
 from atom.engine_core_client import EngineDeadError
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 
 def test_killed_rank_raises_engine_dead_error():

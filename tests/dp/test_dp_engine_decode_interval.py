@@ -20,7 +20,6 @@ from atom.dp.dp_trace import read_trace
 from atom.entrypoints.llm import build_engine
 from atom.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 LONG_PROMPT_LEN, CHUNK = 2048, 256
 NUM_DECODES, DECODE_TOKENS = 4, 48  # enough tokens to decode through the protected prefill

@@ -15,7 +15,6 @@ import pytest
 from atom import LLM, SamplingParams
 from tests.utils import check_greedy_close, ours_greedy
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, num_threads=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)

@@ -11,7 +11,6 @@ import pytest
 
 from atom import LLM, SamplingParams
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 MAX_DELAY_PASSES = 3
 

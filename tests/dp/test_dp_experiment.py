@@ -11,9 +11,7 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "dp_experiment.py"
 

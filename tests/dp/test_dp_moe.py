@@ -18,7 +18,6 @@ from atom import LLM, SamplingParams
 from tests.moe_utils import assert_logprobs_close, build_tiny_mixtral, tiny_prompts
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, num_threads=1)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 REPO = Path(__file__).resolve().parents[2]

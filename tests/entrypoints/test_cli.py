@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
 
 ATOM = str(pathlib.Path(sys.executable).parent / "atom")
 SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "512"]

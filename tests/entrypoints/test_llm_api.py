@@ -6,7 +6,6 @@ import pytest
 
 from atom import LLM, SamplingParams
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
 
 
 @pytest.fixture(scope="module")

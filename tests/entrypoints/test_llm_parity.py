@@ -12,7 +12,6 @@ import torch
 from atom import LLM, SamplingParams
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -13,9 +13,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import ATOM, MODEL
+from tests.entrypoints.remote_server import ATOM, MODEL
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]

@@ -14,7 +14,6 @@ import torch
 from atom import LLM, SamplingParams
 from atom.outputs import RequestOutput
 
-pytestmark = pytest.mark.xdist_group("embedded-model")
 
 EMOJI_CJK_REQUEST = "Please repeat this text exactly: 😀😃 猫と犬 🐱🐶 中文字符"
 

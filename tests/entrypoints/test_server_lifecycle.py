@@ -10,11 +10,9 @@ import time
 
 import httpx
 import psutil
-import pytest
 
-from conftest import ATOM, MODEL, RemoteServer
+from tests.entrypoints.remote_server import ATOM, MODEL, RemoteServer
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 
 def _engine_cores(server: RemoteServer) -> list[psutil.Process]:

@@ -13,9 +13,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import API_KEY, MODEL, RemoteServer
+from tests.entrypoints.remote_server import API_KEY, MODEL, RemoteServer
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 DEADLINE_S = 30.0  # liveness: a released request shows in /metrics within this
 MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
@@ -106,7 +105,8 @@ def test_router_load_returns_to_zero_on_every_path(server):
 
 
 def test_metrics_carry_routing_hit_rates_and_kv_events(server):
-    server.client().completions.create(model=MODEL, prompt="The capital of France is",
+    # a prompt of several full blocks, so that a rank stores blocks and publishes events
+    server.client().completions.create(model=MODEL, prompt="The capital of France is " * 12,
                                        max_tokens=2)
     for name in ("atom:prefix_cache_hit_rate", "atom:kv_events_published_batches_total",
                  "atom:kv_events_dropped_batches_total", "atom:dp_router_load"):

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import torch.utils.cpp_extension  # the fixtures patch its load (not imported by "import torch")
 
 from atom.kernels import build, cpu_ops
 from tests.kernels.toolchain import why_kernels_cannot_exist

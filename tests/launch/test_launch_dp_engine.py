@@ -22,7 +22,6 @@ import pytest
 from atom.dp.sync import BATCH_SHAPE_VECTOR_LEN, CONTROL_VECTOR_LEN
 from tests.utils import launcher_env
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent

@@ -23,7 +23,6 @@ import pytest
 
 from tests.utils import launcher_env
 
-pytestmark = pytest.mark.xdist_group("multiproc")
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")

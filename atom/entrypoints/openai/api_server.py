@@ -161,7 +161,7 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not handler.done():
             handler.cancel()  # the client left (or this task was cancelled): abort
-    if handler.cancelled():
+    if not handler.done() or handler.cancelled():  # a cancel lands at the handler's next await
         return Response(status_code=499)  # nobody reads this
     return handler.result()
 
