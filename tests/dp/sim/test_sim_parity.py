@@ -25,8 +25,6 @@ from atom.dp.sim import workload as W
 from atom.dp.sim.cost_model import Coefficients, Profile
 from atom.dp.sim.replay import run_real
 
-pytestmark = pytest.mark.xdist_group("multiproc")
-
 WORKLOAD = W.dp_experiment(clock="tick", burst_interval=8)
 VOCAB = W.VOCAB_RANGE[1] + 64  # the workload's token ids
 BASE = EngineConfig(data_parallel_size=2, dtype="float32", num_threads=1, num_kv_blocks=32,
