@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             for policy in args.policies:
                 base, label = BASE, policy
                 if policy == "delayer+interval":
-                    base = dataclasses.replace(BASE, prefill_decode_interval=2)
+                    # the interval needs DP > 1 in the config itself (sweep sets the size too)
+                    base = dataclasses.replace(BASE, data_parallel_size=dp_size,
+                                               prefill_decode_interval=2)
                     policy = "delayer"
                 (result,) = sweep(base=base, workloads=[name], dp_sizes=[dp_size],
                                   policies=[policy], profile=profile, seed=args.seed,
