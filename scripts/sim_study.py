@@ -71,8 +71,29 @@ def run(args: argparse.Namespace) -> list[dict]:
                 result["prefill_policy"] = label  # the plot's line
                 result["name"] = f"{name}, DP {dp_size}, {label}"
                 results.append(result)
-                print(f"{result['name']}: {result['sim']['cpu_s']:.1f} CPU s", file=sys.stderr)
+                sim = result["sim"]
+                print(f"{result['name']}: {sim['cpu_s']:.1f} CPU s; simulated time: compute "
+                      f"{sim['compute_s'] / sim['simulated_s']:.0%}, EP collectives "
+                      f"{sim['ep_s'] / sim['simulated_s']:.0%}, tick overhead "
+                      f"{sim['tick_s'] / sim['simulated_s']:.0%}", file=sys.stderr)
     return results
+
+
+def study_table(results: list[dict]) -> str:
+    """The study's markdown table (docs/DP_EXPERIMENTS.md): one row per DP size and policy,
+    with the share of the simulated time the EP collectives took (the cost model's guess)."""
+    lines = ["| DP | policy | mixed-step fraction | dummy-step fraction | output tok/s | "
+             "TTFT p50 (s) | TTFT p99 (s) | TPOT mean (ms) | simulated s | EP share | ticks |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        sim = r["sim"]
+        lines.append(
+            f"| {r['dp_size']} | {r['prefill_policy']} | {r['mixed_step_fraction']:.3f} | "
+            f"{r['dummy_step_fraction']:.3f} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['ttft_ms']['p50'] / 1e3:.1f} | {r['ttft_ms']['p99'] / 1e3:.1f} | "
+            f"{r['tpot_ms']['mean']:.0f} | {r['elapsed_s']:.0f} | "
+            f"{sim['ep_s'] / sim['simulated_s']:.0%} | {sim['num_ticks']} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     for name in args.workloads:
         mine = [r for r in results if r["workload"] == name]
-        print(f"\n{name}:\n{format_table(mine)}")
+        print(f"\n{name}:\n{format_table(mine)}\n\n{study_table(mine)}")
         path = pathlib.Path(args.plot_dir) / f"sim_study_{name}.png"
         plot(mine, path, title=f"atom sim: {name}, EP over DP ranks (model (a), 32 experts; "
                                f"{args.profile})")

@@ -93,7 +93,11 @@ def sim_result(sim, *, name: str, host_s: float, cpu_s: float) -> dict:
                 "cpu_us_per_tick": cpu_s / max(1, sim.tick) * 1e6,
                 "simulated_s": sim.now_s,
                 "simulated_to_cpu": sim.now_s / cpu_s if cpu_s > 0 else 0.0,
-                "num_late_arrivals": sum(r.num_late_arrivals for r in sim.ranks)},
+                "num_late_arrivals": sum(r.num_late_arrivals for r in sim.ranks),
+                # where the simulated time went: the cost model's parts, summed over the steps
+                "compute_s": sum(cost.compute_s for _, cost in sim.step_log),
+                "ep_s": sum(cost.ep_s for _, cost in sim.step_log),
+                "tick_s": sum(cost.tick_s for _, cost in sim.step_log)},
         "timeline": _timeline(sim.samples),
     }
 
