@@ -129,6 +129,9 @@ def test_runs_are_deterministic_and_the_result_has_the_experiments_keys():
     config = dataclasses.replace(BASE, data_parallel_size=4, num_kv_blocks=None,
                                  max_model_len=4096, prefill_policy="delayer")
     one, two = (simulate(requests, config, PROFILE) for _ in range(2))
+    sim = one["sim"]  # the cost model's parts add up to the busy time; no EP, no EP time
+    busy_s = sim["compute_s"] + sim["tick_s"]
+    assert sim["ep_s"] == 0 and 0 < busy_s <= sim["simulated_s"] * (1 + 1e-9)
     for r in (one, two):
         r.pop("sim")
     assert one == two
