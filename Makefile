@@ -41,7 +41,7 @@ model: $(VENV)/.stamp-install
 run: setup
 	$(PY) -m atom.entrypoints.demo
 
-# xdist (-n 2 --dist loadgroup) comes from addopts in pyproject.toml.
+# xdist (-n 2 --dist loadfile: whole files per worker) comes from addopts in pyproject.toml.
 test: setup
 	$(PY) -m pytest
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _DTYPES = ("auto", "bfloat16", "float32")
+MAX_DEFAULT_MODEL_LEN = 8192  # max_model_len=None caps the model's context length here
 DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
 # where the ranks publish KV events when cache_aware routing needs them and no endpoint is set:
 # loopback, OS-chosen ports (each rank reports its bound endpoints in its ready message)
@@ -315,6 +316,15 @@ class EngineConfig:
     def resolved_num_threads(self) -> int:
         """Torch threads of an engine core started with this config (see ``num_threads``)."""
         return resolve_num_threads(self.num_threads)
+
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        """Max tokens per sequence for a model of ``max_position_embeddings`` (see
+        ``max_model_len``); the engine core and the simulator both size with this."""
+        return self.max_model_len or min(max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+
+    def resolved_num_kv_blocks(self, bytes_per_block: int) -> int:
+        """KV pool size in blocks of ``bytes_per_block`` bytes each (see ``num_kv_blocks``)."""
+        return self.num_kv_blocks or max(1, self.kv_cache_memory_bytes // bytes_per_block)
 
 
 def resolve_num_threads(num_threads: int | None, *, num_local_ranks: int = 1,

@@ -148,26 +148,35 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time_s: float | None = None,
-                    data_parallel_rank: int | None = None, session_id: str | None = None) -> None:
+                    data_parallel_rank: int | None = None, session_id: str | None = None,
+                    arrival_tick: int | None = None) -> None:
         """Queue a request; one that can never run is finished with ``error`` (its output comes
         from the next ``step()``).
 
         ``data_parallel_rank`` pins the DP rank; ``session_id`` names the conversation the
         request belongs to (the DP router keeps a session on its rank; it never reaches the
-        core); both are ignored with one rank. The token ids are
+        core); both are ignored with one rank. ``arrival_tick`` (tick-clocked replay, DP only)
+        makes the request's rank hold it until that tick of the wave (the ticks of a replay
+        count from its wave's first tick; send every request of a replay before the first
+        ``step()``: ``atom.dp.engine_core_proc``). The token ids are
         checked by the core (a request it cannot run finishes with ``error``); one that msgpack
         cannot even carry (an id past 64 bits) fails here.
 
         Raises:
-            ValueError: ``request_id`` is already in use, or a bad ``data_parallel_rank``.
+            ValueError: ``request_id`` is already in use, a bad ``data_parallel_rank``, or
+                ``arrival_tick`` with one rank or below 0.
         """
+        if arrival_tick is not None and (self.config.data_parallel_size == 1 or arrival_tick < 0):
+            raise ValueError(f"arrival_tick={arrival_tick}: tick-clocked arrivals need "
+                             f"data_parallel_size > 1 (the DP ranks hold them) and a tick >= 0")
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         rejected = self.output_processor.add_request(request_id, prompt_token_ids, params,
                                                      prompt=prompt, arrival_time_s=arrival)
         if rejected is not None:
             self._pending.append(rejected)
             return
-        request = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival)
+        request = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival,
+                                    arrival_tick=arrival_tick)
         try:
             self.client.add_request(request, data_parallel_rank=data_parallel_rank,
                                     session_id=session_id)

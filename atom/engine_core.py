@@ -52,7 +52,6 @@ from atom.tbo import can_split
 
 logger = logging.getLogger(__name__)
 
-_MAX_DEFAULT_MODEL_LEN = 8192
 # what a UtilityCall may name
 UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "get_cached_block_hashes")
 
@@ -95,9 +94,9 @@ class EngineCore:
         dtype_name = config.resolved_dtype()
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
         arch, weights = load_model_weights(config.model, dtype)
-        max_model_len = config.max_model_len or min(arch.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
+        max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         bytes_per_block = ModelRunner.kv_cache_bytes_per_block(arch, dtype=dtype, block_size=config.block_size)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+        num_blocks = config.resolved_num_kv_blocks(bytes_per_block)
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
@@ -113,12 +112,8 @@ class EngineCore:
                                      kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
-            self.block_manager, eos_token_ids=eos)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, max_model_len),
+                                   self.block_manager, eos_token_ids=eos)
         self.sampler = Sampler(eos, seed=config.seed)
         self.kv_event_publisher = _start_publisher(config, dp_rank)
         self._requests: dict[str, _RequestState] = {}

@@ -81,7 +81,12 @@ class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
     ``resumed``: None for a new request; after a rank failure, one :class:`ResumedChoice` per
     choice (``sampling_params.n`` of them), so the request continues where it stopped:
     max_tokens, min_tokens, penalties and a seeded generator all count the tokens already
-    produced."""
+    produced.
+
+    ``arrival_tick`` (tick-clocked replay, DP ranks only; None = at once): the DP rank holds
+    the request until tick ``arrival_tick`` of the wave (counted from the wave's first tick,
+    identical on every rank), then hands it to its scheduler (``atom.dp.tick.TickArrivals``).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -89,6 +94,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
     arrival_time_s: float
     wave_id: int = 0
     resumed: list[ResumedChoice] | None = None
+    arrival_tick: int | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):

@@ -22,9 +22,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from atom.block_manager import BlockManager, DryRunClaims
 from atom.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from atom.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The budgets of ``config`` (``max_model_len``: its resolved value)."""
+        return cls(max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=max_model_len,
+                   enable_chunked_prefill=config.enable_chunked_prefill)
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences whose next token this step samples: those that reach their last
+        token (every decode, a prefill's last chunk), in batch order. Call before
+        :meth:`Scheduler.postprocess` (it reads ``num_computed_tokens`` before the step). The
+        model runner returns logits for the same sequences (in micro-batch order with TBO);
+        the simulator (``atom.dp.sim``) supplies their tokens instead of a model."""
+        return [seq for seq, n in self.scheduled
+                if seq.num_computed_tokens + n == len(seq.token_ids)]
 
 
 class Scheduler:

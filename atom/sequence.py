@@ -107,7 +107,9 @@ class Sequence:
         (``num_computed_tokens == len - 1`` before any output token exists, e.g. after a chunk or
         a prefix-cache hit) it is still a prefill, hence the comparison with the prompt length.
         """
-        return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
+        # two comparisons rather than max(): this runs several times per sequence per step
+        n = self.num_computed_tokens
+        return n < self.num_prompt_tokens or n < len(self.token_ids) - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

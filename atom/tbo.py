@@ -30,11 +30,9 @@ import collections
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the split rules (split_batch, can_split) run torch-free, in the simulator
+    import torch
 
-from atom.models.moe import MoE
-
-if TYPE_CHECKING:
     from atom.kernels.attention import AttentionMetadata
     from atom.sequence import Sequence as Seq
 
@@ -85,6 +83,8 @@ def forward_micro_batches(model, micro_batches: Sequence[MicroBatch]) -> None:
 
 
 def _model_program(model, mb: MicroBatch) -> Iterator[Waitable]:
+    from atom.models.moe import MoE
+
     x = model.embed_tokens(mb.input_ids)
     cos = model.rope_cos.index_select(0, mb.positions)
     sin = model.rope_sin.index_select(0, mb.positions)

@@ -21,7 +21,9 @@ believes the group idle. Every request carries the current wave id; dispatching 
 the request, then ``StartWave(current)`` to every rank; ``wave_complete=w`` from rank 0 marks the
 group idle with current wave ``w + 1``; a :class:`~atom.messages.WaveWakeup` (a rank woke on a
 request the client sent while it thought the group was stepping) makes it send ``StartWave`` to
-every rank.
+every rank. A tick-clocked request (``arrival_tick`` set: a replay) sent while idle defers that
+``StartWave`` to the next :meth:`~DPEngineCoreClient.get_outputs`, so every request of a
+replay reaches its rank before the wave's first tick (``atom.dp.engine_core_proc``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class DPEngineCoreClient(MPClient):
         self._unfinished: dict[str, set[int]] = {}  # request id → unfinished choice indices
         self.wave_id = 0
         self.group_idle = True
+        self._start_wave_deferred = False  # a replay's StartWave, sent by get_outputs
         self.num_wave_wakeups = 0
         super().__init__(config, **kwargs)
 
@@ -135,9 +138,15 @@ class DPEngineCoreClient(MPClient):
         self._unfinished[request.request_id] = set(range(request.sampling_params.n))
         # the request first: the rank it wakes then has it in its first tick (no empty wave)
         self._send(rank, msgspec.structs.replace(request, wave_id=self.wave_id))
-        if self.group_idle:
-            self._broadcast(StartWave(self.wave_id))
-            self.group_idle = False
+        if self.group_idle and request.arrival_tick is not None:
+            self._start_wave_deferred = True  # after the replay's other requests
+        elif self.group_idle:
+            self._start_wave()
+
+    def _start_wave(self) -> None:
+        self._broadcast(StartWave(self.wave_id))
+        self.group_idle = False
+        self._start_wave_deferred = False
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = collections.defaultdict(list)
@@ -187,6 +196,8 @@ class DPEngineCoreClient(MPClient):
         return stats
 
     def get_outputs(self, timeout_s: float | None = None):
+        if self._start_wave_deferred:
+            self._start_wave()
         if self.kv_subscriber is not None:
             self.kv_subscriber.poll()  # keep the index fresh while the engine runs
         return super().get_outputs(timeout_s)

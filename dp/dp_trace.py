@@ -77,6 +77,22 @@ def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_
             all(shapes.tbo_eligible.tolist()), any_prefill, any_prefill and not all(prefill))
 
 
+def trace_header(*, dp_rank: int, dp_size: int, policy: str, wall_minus_perf_us: int,
+                 generation: int = 0) -> str:
+    """A trace file's first line (the header object; module docstring). ``wall_minus_perf_us``:
+    what to add to a row's ``start_us`` for wall-clock µs since the epoch (the simulator
+    writes 0: its rows are on the simulated clock); ``generation``: which start of the group
+    (:class:`TraceWriter`)."""
+    return json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION, "dp_rank": dp_rank,
+                       "dp_size": dp_size, "policy": policy, "generation": generation,
+                       "columns": list(TRACE_COLUMNS), "wall_minus_perf_us": wall_minus_perf_us})
+
+
+def format_row(row: tuple) -> str:
+    """One row (:func:`tick_row`) as its line of the file (no newline)."""
+    return json.dumps(row, separators=(",", ":"))
+
+
 class TraceWriter:
     """Writes this rank's trace rows from a background thread (module docstring).
 
@@ -100,12 +116,9 @@ class TraceWriter:
         self.path = path
         self._log = rank_logger(logger, dp_rank)
         self._file = open(path, "w", buffering=1 << 16)
-        header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "dp_rank": dp_rank,
-                  "dp_size": dp_size, "policy": policy, "generation": generation,
-                  "columns": list(TRACE_COLUMNS),
-                  # add to a row's start_us (perf_counter) for wall-clock µs since the epoch
-                  "wall_minus_perf_us": (time.time_ns() - time.perf_counter_ns()) // 1000}
-        self._file.write(json.dumps(header) + "\n")
+        self._file.write(trace_header(
+            dp_rank=dp_rank, dp_size=dp_size, policy=policy, generation=generation,
+            wall_minus_perf_us=(time.time_ns() - time.perf_counter_ns()) // 1000) + "\n")
         self._queue: queue.SimpleQueue[tuple | dict | None] = queue.SimpleQueue()
         self._failed = False
         self._thread = threading.Thread(target=self._run, name=f"dp{dp_rank}-trace", daemon=True)
@@ -125,7 +138,7 @@ class TraceWriter:
     def _run(self) -> None:
         try:
             while (row := self._queue.get()) is not None:
-                self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+                self._file.write(format_row(row) + "\n")
                 if self._queue.empty():
                     self._file.flush()
         except OSError as e:

@@ -13,7 +13,8 @@ rank process and calls :func:`run_rank` (:mod:`atom.entrypoints.launched`).
 Per tick, on every rank, in this order (docs/ARCHITECTURE.md, "The DP tick"), with no early
 return before the control sync:
 
-1. drain the input socket without blocking;
+1. drain the input socket without blocking, and hand the scheduler the tick-clocked requests
+   whose tick has come (below);
 2. control sync (:func:`atom.dp.sync.exchange_control`): work, shutdown, the prefill
    policy's inputs (:func:`atom.dp.prefill_policy.local_prefill_inputs`), wave id, tick. Every
    rank asked to shut down → all run the lockstep check and exit together. No rank has work →
@@ -29,8 +30,20 @@ return before the control sync:
 6. send the outputs; with ``--dp-trace``, queue the tick's trace row
    (:mod:`atom.dp.dp_trace`; a background thread writes it).
 
-Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the ranks compare their collective
-sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
+What the tick does with the gathered values (stop, end the wave or step; the batch shape; the
+step counters and the TBO agreement) is :mod:`atom.dp.tick`, which the simulator
+(:mod:`atom.dp.sim`) runs too. Every :data:`LOCKSTEP_CHECK_EVERY` ticks (and at shutdown) the
+ranks compare their collective sequence hashes (:func:`atom.dp.collectives.check_lockstep`).
+
+Tick-clocked replay: a request with ``arrival_tick`` set is held (:class:`atom.dp.tick.TickArrivals`)
+and handed to the scheduler at the start of the first tick of the wave whose number (counted
+from the wave's first tick, identical on every rank) is ≥ its arrival tick; a rank holding
+requests has work, so the group keeps stepping (dummy batches) until the last is due. Such a
+request does not wake an idle rank: the front end sends every request of a replay before the
+``StartWave`` that starts it (:class:`atom.dp.dp_client.DPEngineCoreClient`), so every rank
+holds all of its requests before the wave's first tick, and the per-rank batch shapes of the
+replay are the same whatever the machine's speed (greedy, ``ignore_eos``). A request released
+after its tick (sent once the wave was running) is counted in ``num_late_arrivals``.
 
 Membership changes: a group started after a rank failure (generation ``g`` > 0, from
 ``TORCHELASTIC_RESTART_COUNT``: the front end's fresh group, or a launcher's restart) logs the
@@ -63,6 +76,7 @@ from typing import TYPE_CHECKING
 from atom.config import EngineConfig
 from atom.engine_core_proc import EngineCoreProc, ShutdownRequested, run_process
 from atom.messages import (
+    AbortRequests,
     CoreInput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -73,6 +87,8 @@ from atom.messages import (
     WaveWakeup,
     encode,
 )
+from atom.dp.tick import (StepCounters, TickAction, TickArrivals, batch_shape, control_state,
+                          tick_action)
 
 if TYPE_CHECKING:
     from atom.dp.dp_trace import TraceWriter
@@ -121,14 +137,11 @@ class DPEngineCoreProc(EngineCoreProc):
         self._last_shapes: GatheredBatchShape | None = None  # the previous stepping tick's
         self.wave_id = 0
         self.tick = 0
+        self.wave_start_tick = 0  # the current (or next) wave's first tick
         self.idle = True  # ranks start idle, in wave 0
-        self.num_dummy_steps = 0  # this rank's
-        self.num_real_steps = 0
-        self.num_steps = 0  # forward steps of the group (identical on every rank)
-        self.num_prefill_steps = 0  # ... where some rank prefills
-        self.num_mixed_prefill_steps = 0  # ... where some rank prefills and another does not
-        self.num_tbo_steps = 0  # ... run as two micro-batches (every rank could split)
-        self.num_waves_completed = 0
+        self.counters = StepCounters()
+        self.arrivals: TickArrivals[EngineCoreRequest] = TickArrivals()  # tick-clocked, held
+        self.num_late_arrivals = 0
         self._sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
 
     # ----- inputs -----
@@ -141,8 +154,16 @@ class DPEngineCoreProc(EngineCoreProc):
                 logger.warning("[dp%d] StartWave(%d) ahead of this rank's wave %d: ignored",
                                self.dp_rank, message.wave_id, self.wave_id)
             return  # stale, or already stepping in this wave
-        super().handle_input(message)
-        if isinstance(message, EngineCoreRequest) and self.idle:
+        timed = isinstance(message, EngineCoreRequest) and message.arrival_tick is not None
+        if timed:  # held until its tick; its StartWave wakes the group (module docstring)
+            self.arrivals.hold(message.arrival_tick, message)
+        else:
+            super().handle_input(message)
+        if isinstance(message, AbortRequests):
+            aborted = set(message.request_ids)
+            self.arrivals.discard(lambda request: request.request_id in aborted)
+        if isinstance(message, EngineCoreRequest) and self.idle and (
+                not timed or message.wave_id < self.wave_id):
             self.idle = False
             if message.wave_id < self.wave_id:
                 # the front end dispatched without knowing the group went idle: no StartWave
@@ -167,12 +188,8 @@ class DPEngineCoreProc(EngineCoreProc):
         log = process_collective_log()
         out: dict[str, int | float] = {
             "dp_rank": self.dp_rank, "tick": self.tick, "wave_id": self.wave_id,
-            "idle": int(self.idle), "num_dummy_steps": self.num_dummy_steps,
-            "num_real_steps": self.num_real_steps, "num_steps": self.num_steps,
-            "num_prefill_steps": self.num_prefill_steps,
-            "num_mixed_prefill_steps": self.num_mixed_prefill_steps,
-            "num_tbo_steps": self.num_tbo_steps,
-            "num_waves_completed": self.num_waves_completed,
+            "idle": int(self.idle), **dataclasses.asdict(self.counters),
+            "num_held_arrivals": len(self.arrivals), "num_late_arrivals": self.num_late_arrivals,
             "collective_count": log.num_collectives, "collective_hash": log.hash_int64}
         out.update({f"prefill_policy_{k}": v for k, v in self.prefill.stats().items()})
         return out
@@ -256,26 +273,26 @@ class DPEngineCoreProc(EngineCoreProc):
     def _tick(self) -> bool:
         """One tick (module docstring); True when the ranks stop together."""
         from atom.dp.collectives import check_lockstep, process_collective_log
-        from atom.dp.prefill_policy import local_prefill_inputs
-        from atom.dp.sync import ControlState, exchange_control
+        from atom.dp.sync import exchange_control
 
         start_ns = time.perf_counter_ns()
         core = self.core
-        inputs = local_prefill_inputs(core.scheduler)
-        state = ControlState(has_work=core.has_work(), shutdown=self._shutdown,
-                             wave_id=self.wave_id, tick=self.tick, **dataclasses.asdict(inputs))
+        self._release_due_arrivals()
+        state = control_state(core.scheduler, has_work=core.has_work() or len(self.arrivals) > 0,
+                              shutdown=self._shutdown, wave_id=self.wave_id, tick=self.tick)
         gathered = exchange_control(state, self.groups.control)
         synced_ns = time.perf_counter_ns()
         self.tick += 1
         log = process_collective_log()
         if self.tick == 1 and self.generation > 0:  # tick 0 of a group after a failure
             self._log_membership_change(gathered)
-        if gathered.all_shutdown():
+        action = tick_action(gathered)
+        if action is TickAction.STOP:
             check_lockstep(log, self.groups.control)
             logger.info("[dp%d] every rank asked to shut down: exiting after %d ticks",
                         self.dp_rank, self.tick)
             return True
-        if not gathered.any_has_work() and not gathered.any_shutdown():
+        if action is TickAction.END_WAVE:
             self._end_wave()
             return False
         if self.tick % LOCKSTEP_CHECK_EVERY == 0:
@@ -312,30 +329,25 @@ class DPEngineCoreProc(EngineCoreProc):
                                     "generation": self.generation, "dp_size": dp_size,
                                     "num_collectives": num_collectives})
 
+    def _release_due_arrivals(self) -> None:
+        """Hand the scheduler the tick-clocked requests due at this tick of the wave."""
+        for arrival_tick, request in self.arrivals.due(self.tick - self.wave_start_tick):
+            self.num_late_arrivals += arrival_tick < self.tick - self.wave_start_tick
+            self.core.add_request(request)
+
     def _step(self, sched: SchedulerOutput) -> GatheredBatchShape:
         """Steps 4-6 of the tick: the batch-shape exchange, the forward (a dummy batch when
         this rank has nothing to run), the outputs; returns the gathered batch shapes."""
-        from atom.dp.sync import BatchShape, exchange_batch_shape
+        from atom.dp.sync import exchange_batch_shape
 
         core = self.core
-        is_dummy = sched.is_empty
-        shapes = exchange_batch_shape(BatchShape(
-            num_tokens=sched.num_batched_tokens, num_seqs=len(sched.scheduled),
-            is_dummy=is_dummy, tbo_eligible=core.tbo_eligible(sched),
-            has_prefill=sched.num_prefill_seqs > 0, num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_seqs=len(sched.scheduled) - sched.num_prefill_seqs), self.groups.device)
-        tbo = shapes.tbo_agreed
+        shapes = exchange_batch_shape(batch_shape(sched, tbo_eligible=core.tbo_eligible(sched)),
+                                      self.groups.device)
         if self.expert_parallel is not None:
             self.expert_parallel.begin_step(shapes.max_num_tokens)
-        self.num_steps += 1
-        self.num_prefill_steps += shapes.any_prefill
-        self.num_mixed_prefill_steps += shapes.mixed_prefill
-        self.num_tbo_steps += tbo
-        if is_dummy:  # same forward (and collectives) on zero tokens
+        tbo = self.counters.count_step(shapes, is_dummy=sched.is_empty)
+        if sched.is_empty:  # same forward (and collectives) on zero tokens
             core.execute_dummy_batch(two_batch_overlap=tbo)
-            self.num_dummy_steps += 1
-        else:
-            self.num_real_steps += 1
         self.send_outputs(core.execute(sched, two_batch_overlap=tbo))
         return shapes
 
@@ -343,7 +355,8 @@ class DPEngineCoreProc(EngineCoreProc):
         """No rank has work: all ranks end the wave together and go idle."""
         completed = self.wave_id
         self.wave_id += 1
-        self.num_waves_completed += 1
+        self.wave_start_tick = self.tick  # the next tick is the next wave's first
+        self.counters.num_waves_completed += 1
         self.idle = True
         self.prefill.end_wave()
         self._last_shapes = None

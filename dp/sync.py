@@ -17,26 +17,25 @@ count and hash (taken just before the sync), so the lockstep check runs every ti
 disagree (see :mod:`atom.dp.collectives` for what gloo itself does when they do).
 
 Everything here except the two ``exchange_*`` functions is pure and unit-tested without
-processes. Vectors are int64 CPU tensors; fields are integers with units in their names.
+processes, and imports no torch until a vector is packed for a collective (the simulator,
+:mod:`atom.dp.sim`, gathers the same values in memory with :meth:`GatheredControl.from_states`
+and :meth:`GatheredBatchShape.from_shapes`, torch-free). Vectors are int64 CPU tensors;
+fields are integers with units in their names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
-from atom.dp.collectives import (
-    CollectiveLog,
-    LockstepError,
-    all_gather_int64,
-    check_lockstep,
-    process_collective_log,
-)
-from atom.dp.collective_log import format_histories
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from atom.dp.collectives import CollectiveLog
 
 CONTROL_MAGIC = int.from_bytes(b"ATOMCTL2", "big")
 BATCH_SHAPE_MAGIC = int.from_bytes(b"ATOMBSH2", "big")
@@ -100,10 +99,16 @@ class ControlState:
         if not 0 <= self.kv_usage_ppm <= KV_USAGE_PPM_MAX:
             raise ValueError(f"kv_usage_ppm={self.kv_usage_ppm} is outside [0, {KV_USAGE_PPM_MAX}]")
 
+    def row(self) -> tuple[int, ...]:
+        """The vector's CONTROL_VECTOR_LEN integers: the magic word, then the fields in
+        declaration order."""
+        return (CONTROL_MAGIC, *(int(getattr(self, f)) for f in _CONTROL_FIELDS))
+
     def pack(self) -> torch.Tensor:
-        """int64 [CONTROL_VECTOR_LEN]: the magic word, then the fields in declaration order."""
-        return torch.tensor([CONTROL_MAGIC, *(int(getattr(self, f)) for f in _CONTROL_FIELDS)],
-                            dtype=torch.int64)
+        """int64 [CONTROL_VECTOR_LEN]: :meth:`row` as the tensor the control sync gathers."""
+        import torch
+
+        return torch.tensor(self.row(), dtype=torch.int64)
 
     @classmethod
     def unpack(cls, vec: torch.Tensor | np.ndarray) -> ControlState:
@@ -175,7 +180,7 @@ class GatheredControl:
     @classmethod
     def from_states(cls, states: list[ControlState]) -> GatheredControl:
         """What the gather of ``states`` (rank order) would give; for tests and simulation."""
-        return cls.from_matrix(torch.stack([s.pack() for s in states]))
+        return cls.from_matrix(np.array([s.row() for s in states], dtype=np.int64))
 
     @property
     def world_size(self) -> int:
@@ -233,11 +238,16 @@ class BatchShape:
         if min(self.num_tokens, self.num_seqs, self.num_prefill_tokens, self.num_decode_seqs) < 0:
             raise ValueError(f"token and sequence counts must be >= 0: {self}")
 
+    def row(self) -> tuple[int, ...]:
+        """The vector's BATCH_SHAPE_VECTOR_LEN integers: the magic word, then the fields in
+        declaration order."""
+        return (BATCH_SHAPE_MAGIC, *(int(getattr(self, f)) for f in _SHAPE_FIELDS))
+
     def pack(self) -> torch.Tensor:
-        """int64 [BATCH_SHAPE_VECTOR_LEN]: the magic word, then the fields in declaration
-        order."""
-        return torch.tensor([BATCH_SHAPE_MAGIC, *(int(getattr(self, f)) for f in _SHAPE_FIELDS)],
-                            dtype=torch.int64)
+        """int64 [BATCH_SHAPE_VECTOR_LEN]: :meth:`row` as the tensor the exchange gathers."""
+        import torch
+
+        return torch.tensor(self.row(), dtype=torch.int64)
 
     @classmethod
     def unpack(cls, vec: torch.Tensor | np.ndarray) -> BatchShape:
@@ -276,7 +286,7 @@ class GatheredBatchShape:
     @classmethod
     def from_shapes(cls, shapes: list[BatchShape]) -> GatheredBatchShape:
         """What the gather of ``shapes`` (rank order) would give; for tests and simulation."""
-        return cls.from_matrix(torch.stack([s.pack() for s in shapes]))
+        return cls.from_matrix(np.array([s.row() for s in shapes], dtype=np.int64))
 
     @property
     def tbo_agreed(self) -> bool:
@@ -325,6 +335,10 @@ def exchange_control(state: ControlState, group: dist.ProcessGroup, *,
             or at the group timeout).
         CollectiveError: the gather itself failed (a peer died, or the group timed out).
     """
+    from atom.dp.collective_log import format_histories
+    from atom.dp.collectives import (LockstepError, all_gather_int64, check_lockstep,
+                                     process_collective_log)
+
     log = process_collective_log() if log is None else log
     state = dataclasses.replace(state, collective_count=log.num_collectives,
                                 collective_hash=log.hash_int64)
@@ -350,6 +364,9 @@ def exchange_batch_shape(shape: BatchShape, group: dist.ProcessGroup, *,
         LockstepError: a gathered row is not a batch-shape vector (ranks out of step).
         CollectiveError: the gather failed.
     """
+    from atom.dp.collective_log import format_histories
+    from atom.dp.collectives import LockstepError, all_gather_int64, process_collective_log
+
     log = process_collective_log() if log is None else log
     matrix = all_gather_int64(shape.pack(), group, log=log)
     try:

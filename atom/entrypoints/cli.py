@@ -16,6 +16,7 @@ stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
 - ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`);
   ``atom bench serve ...``: the serving benchmark (:mod:`atom.entrypoints.bench_serving`);
   ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.entrypoints.multinode`).
+- ``atom sim run | sweep | calibrate | workload``: the DP/EP simulator (:mod:`atom.dp.sim.cli`).
 
 Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
 ``--num-kv-blocks``, ...), generated from :class:`atom.config.EngineConfig`. ``--seed`` seeds the
@@ -198,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     from atom.entrypoints import multinode
 
     multinode.add_bench_multinode_parser(bench_sub, fmt)
+
+    from atom.dp.sim.cli import add_sim_parser
+
+    add_sim_parser(sub, fmt)
     return parser
 
 

@@ -1,0 +1,327 @@
+"""``atom sim calibrate``: measure this machine and fit the cost model (:mod:`atom.dp.sim.cost_model`).
+
+Two parts, both on the real engine:
+
+1. **the grid** (one process, the per-rank terms): the real :class:`~atom.engine_core.EngineCore`'s
+   model runner and sampler over a grid of batches (:data:`GRID`: decodes of 1-32 sequences
+   at 64-512 tokens of context, prompt chunks of 16-512 tokens after 0-512 computed ones,
+   mixed batches, the dummy batch, TBO splits), with the deployment's per-rank thread count;
+   the MLP's share is timed with hooks on every layer's MLP. Fitted by non-negative least
+   squares on relative errors (every point weighs the same whatever its length);
+2. **the group** (real DP ranks, the level and the per-tick and EP terms): a short
+   tick-clocked replay of :func:`calibration_workload` on ``dp_size`` real ranks with the
+   per-tick trace on; the simulator replays the same workload (its steps equal the real
+   run's, tick for tick) with the grid's coefficients, and every tick's duration for the
+   group (:func:`group_step_durations`) is fitted, by non-negative least squares in seconds,
+   as ``compute_scale`` × the grid's slowest-rank compute + ``tick_s``; with expert
+   parallelism a second replay, the experts now sharded, fits ``ep_fixed_s`` and ``ep_row_s``
+   per micro-batch on what that leaves. The grid gives the relative costs of batch shapes;
+   the real ranks, which share the cores with each other, the front end and whatever else
+   runs, give their level.
+
+The profile records the machine (CPU model and flags, threads), dtype, model, date, the raw
+measurements and both fits' errors. Runs take a minute or two each on two cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import platform
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from atom.config import EngineConfig, resolve_num_threads
+from atom.dp.sim.cost_model import Coefficients, CostModel, MicroBatch, Profile, micro_batch
+from atom.dp.sim.workload import TraceRequest, bursty, synthetic_prompt
+
+logger = logging.getLogger(__name__)
+
+# one batch: (prefill tokens, context) chunks and (decode sequences, context length) groups
+GRID: list[dict] = (
+    [{"decode": (b, ctx)} for b in (1, 2, 4, 8, 16, 32) for ctx in (64, 512)]
+    + [{"prefill": [(n, 0)]} for n in (16, 64, 128, 256, 512)]
+    + [{"prefill": [(n, ctx)]} for n, ctx in ((64, 256), (64, 512), (256, 512))]
+    + [{"prefill": [(32, 0), (32, 0)]}, {"prefill": [(96, 0)] * 3}]
+    + [{"prefill": [(64, 0)], "decode": (4, 128)}, {"prefill": [(256, 0)], "decode": (8, 256)},
+       {"prefill": [(16, 128)], "decode": (16, 128)}]
+    + [{"prefill": [(128, 0)], "tbo": True}, {"prefill": [(64, 0), (64, 0)], "tbo": True},
+       {"prefill": [(256, 0)], "decode": (4, 128), "tbo": True}]
+    + [{}, {"tbo": True}]  # the dummy batch, whole and split
+)
+GRID_KV_BLOCKS = 1200  # 19,200 tokens: the grid's largest batch (32 x 512) with room
+_FEATURES = ("step_s", "token_s", "sampled_s", "seq_s", "prefill_pair_s", "decode_context_s",
+             "dummy_s")
+
+
+def machine_info(num_threads: int) -> dict:
+    """The CPU model and its SIMD flags (the ones that matter to the kernels), the threads."""
+    cpu, flags = platform.processor(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                    if line.startswith("model name")), cpu)
+        line = next((line for line in info.splitlines() if line.startswith("flags")), "")
+        flags = sorted(f for f in line.split() if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return {"cpu": cpu, "flags": flags, "num_threads": num_threads, "platform": platform.platform()}
+
+
+def _entries(point: dict, core) -> list:
+    """Sequences with blocks for ``point`` (module docstring), as scheduler entries."""
+    from atom.sampling_params import SamplingParams
+    from atom.sequence import Sequence
+
+    entries, params = [], SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    for i, (n, ctx) in enumerate(point.get("prefill", [])):
+        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params)
+        core.block_manager.allocate(seq)
+        seq.num_computed_tokens = ctx
+        entries.append((seq, n))
+    num_decodes, ctx = point.get("decode", (0, 0))
+    for i in range(num_decodes):
+        seq = Sequence(f"d{i}", list(synthetic_prompt(f"d{i}", ctx - 1)), params)
+        seq.token_ids.append(100)  # one output token: the next step decodes
+        core.block_manager.allocate(seq)
+        seq.num_computed_tokens = ctx - 1
+        entries.append((seq, 1))
+    return entries
+
+
+class _MLPTimer:
+    """Accumulates the seconds spent in every layer's MLP (forward hooks)."""
+
+    def __init__(self, model):
+        self.total_s = 0.0
+        self._start = 0.0
+        self._handles = []
+        for layer in model.layers:
+            self._handles.append(layer.mlp.register_forward_pre_hook(self._pre))
+            self._handles.append(layer.mlp.register_forward_hook(self._post))
+
+    def _pre(self, module, args):
+        self._start = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.total_s += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _run_point(core, point: dict, timer: _MLPTimer) -> tuple[float, float, list[MicroBatch]]:
+    """One timed forward + sampling of ``point``: seconds, MLP seconds, its micro-batches."""
+    from atom.tbo import split_batch
+
+    entries = _entries(point, core)
+    tbo = point.get("tbo", False)
+    parts = split_batch(entries) if tbo else [[(seq, 0, n) for seq, n in entries]]
+    try:
+        timer.total_s = 0.0
+        start = time.perf_counter()
+        out = core.runner.execute_model(entries, two_batch_overlap=tbo)
+        if out.sampled_seq_ids:
+            by_id = {seq.seq_id: seq for seq, _ in entries}
+            core.sampler(out.logits, [by_id[s] for s in out.sampled_seq_ids])
+        seconds = time.perf_counter() - start
+    finally:
+        for seq, _ in entries:
+            core.block_manager.free(seq)
+    return seconds, timer.total_s, [micro_batch(part) for part in parts]
+
+
+def measure_grid(config: EngineConfig, *, repeats: int = 3,
+                 grid: list[dict] = GRID) -> tuple[list[dict], dict]:
+    """Time every grid point on an in-process engine core built from ``config`` (its
+    ``num_threads`` and model; the KV pool is the grid's): a warm-up round, then ``repeats``
+    rounds over the whole grid (so a burst of load from other processes spreads over the
+    points instead of skewing one), the median per point. Returns one dict per point and the
+    model's facts (KV bytes per token, context length, experts)."""
+    from atom.engine_core import EngineCore
+
+    core = EngineCore(dataclasses.replace(
+        config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,
+        prefill_policy=None, prefill_decode_interval=0, enable_expert_parallel=False,
+        dp_trace=None, dp_load_balance="least_requests", max_model_len=2048))
+    timer = _MLPTimer(core.runner.model)
+    try:
+        runs: list[list[tuple]] = [[] for _ in grid]
+        for round_ in range(repeats + 1):
+            for i, point in enumerate(grid):
+                run = _run_point(core, point, timer)
+                if round_:
+                    runs[i].append(run)
+            logger.info("calibration grid: round %d of %d done", round_, repeats)
+        facts = {"kv_cache_bytes_per_token": core.runtime.kv_cache_bytes
+                 // (core.runtime.num_kv_blocks * config.block_size),
+                 "max_position_embeddings": core.runner.arch_config.max_position_embeddings,
+                 "num_experts": config.moe_split_experts}
+    finally:
+        timer.remove()
+        core.close()
+    return [{"point": point, "seconds": statistics.median(r[0] for r in point_runs),
+             "mlp_seconds": statistics.median(r[1] for r in point_runs),
+             "micro_batches": [dataclasses.asdict(mb) for mb in point_runs[0][2]]}
+            for point, point_runs in zip(grid, runs)], facts
+
+
+def _features(mbs: list[MicroBatch]) -> list[float]:
+    """One design-matrix row: the per-rank terms of the cost model summed over micro-batches
+    (order of :data:`_FEATURES`)."""
+    real = [mb for mb in mbs if not mb.is_dummy]
+    return [len(real), sum(mb.num_tokens for mb in real), sum(mb.num_sampled for mb in real),
+            sum(mb.num_seqs for mb in real), sum(mb.prefill_pairs for mb in real),
+            sum(mb.decode_context for mb in real), len(mbs) - len(real)]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set: drop the most negative
+    coefficient and refit until none is negative; enough for a handful of columns)."""
+    active = list(range(a.shape[1]))
+    while True:
+        x = np.zeros(a.shape[1])
+        if active:
+            x[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        if (x >= 0).all():
+            return x
+        active.remove(int(np.argmin(np.where(np.isin(range(a.shape[1]), active), x, np.inf))))
+
+
+def rel_errors(predicted: np.ndarray, measured: np.ndarray) -> dict:
+    err = np.abs(predicted - measured) / measured
+    return {"num_points": int(len(err)), "mean_abs_rel_error": float(err.mean()),
+            "max_abs_rel_error": float(err.max()),
+            "total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum())}
+
+
+def fit_grid(measurements: list[dict]) -> tuple[dict, dict]:
+    """The per-rank coefficients and the fit's errors (relative, per point)."""
+    mbs = [[MicroBatch(**mb) for mb in m["micro_batches"]] for m in measurements]
+    t = np.array([m["seconds"] for m in measurements])
+    a = np.array([_features(x) for x in mbs], dtype=float)
+    coef = nnls(a / t[:, None], np.ones(len(t)))  # relative residuals
+    tokens = np.array([sum(mb.num_tokens for mb in x) for x in mbs], dtype=float)
+    mlp = np.array([m["mlp_seconds"] for m in measurements])
+    real = tokens > 0
+    slope = np.polyfit(tokens[real], mlp[real], 1)[0]
+    coefficients = dict(zip(_FEATURES, coef.tolist()), mlp_token_s=max(0.0, float(slope)))
+    predicted = a @ coef
+    points = [{"point": m["point"], "measured_s": m["seconds"], "predicted_s": float(p),
+               "mlp_s": m["mlp_seconds"]} for m, p in zip(measurements, predicted)]
+    return coefficients, {**rel_errors(predicted, t), "points": points}
+
+
+def calibration_workload() -> list[TraceRequest]:
+    """The group fit's workload (tick-clocked; not the experiment's, which the accuracy
+    benchmark checks): bursts of short and medium requests over both ranks, so ticks range
+    from decodes to mixed and full prefill steps."""
+    return bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
+                  prompt_len=(16, 320), output_len=(4, 24), seed=7)
+
+
+def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
+              requests: list[TraceRequest]) -> tuple[dict, dict]:
+    """Run ``requests`` tick-clocked on real ranks and in the simulator (with
+    ``coefficients``); fit the group's terms on every tick's duration. Without expert
+    parallelism: ``compute_scale`` and ``tick_s`` (``coefficients`` holds the grid's only).
+    With it: ``ep_fixed_s`` and ``ep_row_s`` on what the level and the tick, fitted before on
+    the same model without expert parallelism (in ``coefficients``), leave: the compute
+    and the EP rows both grow with the step's tokens, so fitted together the collectives
+    would take the compute's share. Returns the terms and the fit's errors."""
+    from atom.dp.dp_trace import read_trace
+    from atom.dp.sim.replay import run_real
+
+    with tempfile.TemporaryDirectory(prefix="atom-calibrate-") as folder:
+        run_real(requests, dataclasses.replace(config, dp_trace=folder), name="calibration")
+        periods = group_step_durations(read_trace(folder)[0].rows)
+    profile = Profile(Coefficients(**{**coefficients, "ep_fixed_s": 0.0, "ep_row_s": 0.0}),
+                      model_facts=facts)
+    log = [(tick, cost) for tick, cost in _simulate_with_log(requests, config, profile).step_log
+           if tick in periods]
+    if len(log) != len(periods):
+        raise RuntimeError("the simulated replay's ticks differ from the real run's "
+                           f"({len(log)} of {len(periods)} matched): step parity is broken")
+    measured = np.array([periods[tick] for tick, _ in log])
+    if not config.enable_expert_parallel:
+        a = np.array([[cost.compute_s, 1.0] for _, cost in log])
+        x = nnls(a, measured)
+        terms, predicted = {"compute_scale": float(x[0]), "tick_s": float(x[1])}, a @ x
+    else:
+        rest = np.array([cost.total_s for _, cost in log])  # the scaled compute + the tick
+        a = np.array([[cost.num_micro_batches * (cost.max_num_tokens > 0),
+                       cost.num_micro_batches * cost.max_num_tokens
+                       * (config.data_parallel_size - 1)] for _, cost in log])
+        x = nnls(a, measured - rest)
+        terms, predicted = {"ep_fixed_s": float(x[0]), "ep_row_s": float(x[1])}, rest + a @ x
+    return terms, {**rel_errors(predicted, measured), "real_wall_s": float(measured.sum())}
+
+
+def group_step_durations(rows: list[dict]) -> dict[int, float]:
+    """Seconds each tick of a real run's trace (one rank's rows) lasted for the group: from
+    the end of its control sync to the end of the next one. The sync ends on every rank at
+    once (it is an all-gather), so this includes waiting for the slowest rank, which a rank's
+    own ``step_us`` does not."""
+    synced = [(r["tick"], (r["start_us"] + r["sync_us"]) * 1e-6) for r in rows]
+    return {tick: b - a for (tick, a), (next_tick, b) in zip(synced, synced[1:])
+            if next_tick == tick + 1}
+
+
+def _simulate_with_log(requests, config: EngineConfig, profile: Profile):
+    """A simulator run whose per-step costs (``step_log``) the group fit reads."""
+    from atom.dp.sim.simulator import Simulator, run_timed
+
+    sim = Simulator(config, CostModel(profile, expert_parallel=config.enable_expert_parallel),
+                    num_kv_blocks=config.num_kv_blocks,
+                    max_model_len=config.resolved_max_model_len(
+                        profile.model_facts["max_position_embeddings"]))
+    run_timed(sim, requests)
+    return sim
+
+
+def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> Profile:
+    """Measure and fit (module docstring). ``config``: the deployment to calibrate for
+    (``data_parallel_size`` ranks, model, dtype, ``moe_split_experts``, expert parallelism;
+    ``num_threads`` unset = the per-rank share of this machine's cores); ``group=False``
+    skips the real DP run (the per-tick and EP terms stay 0).
+
+    Raises:
+        ValueError: a config that cannot run (e.g. expert parallelism without experts).
+        RuntimeError: a real rank failed, or the simulated replay diverged from the real one.
+    """
+    threads = resolve_num_threads(config.num_threads, num_local_ranks=config.data_parallel_size)
+    config = dataclasses.replace(config, num_threads=threads)
+    start = time.monotonic()
+    measurements, facts = measure_grid(config, repeats=repeats)
+    coefficients, grid_fit = fit_grid(measurements)
+    fit = {"grid": grid_fit}
+    if group:
+        group_config = dataclasses.replace(config, num_kv_blocks=config.num_kv_blocks or 64,
+                                           max_model_len=1024, enable_prefix_caching=False)
+        terms, fit["group"] = fit_group(
+            dataclasses.replace(group_config, enable_expert_parallel=False), coefficients,
+            facts, calibration_workload())
+        coefficients.update(terms)
+        if config.enable_expert_parallel:
+            terms, fit["group_ep"] = fit_group(group_config, coefficients, facts,
+                                               calibration_workload())
+            coefficients.update(terms)
+    model = config.model or "embedded SmolLM2-135M-Instruct"
+    if config.moe_split_experts:
+        model += f", MLPs split into {config.moe_split_experts} experts (model (a))"
+    return Profile(
+        Coefficients(**coefficients), kind="measured", machine=machine_info(threads),
+        dtype=config.resolved_dtype(), model=model,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        model_facts=facts, fit=fit,
+        notes=(f"atom sim calibrate: grid of {len(measurements)} batches x {repeats} repeats "
+               f"(median) on one in-process core, {threads} thread(s); group terms from a "
+               f"tick-clocked replay on {config.data_parallel_size} real ranks"
+               f"{', then one with expert parallelism' if config.enable_expert_parallel else ''}; "
+               f"{time.monotonic() - start:.0f} s"))

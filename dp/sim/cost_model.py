@@ -1,0 +1,225 @@
+"""The simulator's cost model: how long a step of the DP group lasts, from its batches.
+
+Only the forward pass is modelled; every decision comes from the engine's own code. The form
+(seconds; coefficients in a :class:`Profile`, fitted by ``atom sim calibrate``,
+:mod:`atom.dp.sim.calibrate`)::
+
+    micro-batch on rank r   c_r = k·(step_s + token_s·T_r + mlp_token_s·R + sampled_s·S_r
+                                     + seq_s·N_r + prefill_pair_s·P_r + decode_context_s·D_r)
+    a dummy micro-batch     c_r = k·(dummy_s + mlp_token_s·R)         (no tokens of its own)
+    rank r's step           t_r = Σ over its micro-batches (1, or 2 with TBO)
+    EP collectives          e   = n_mb · (ep_fixed_s + ep_row_s·M·(W-1))     (M > 0)
+    the group's step        t   = max_r t_r + e + tick_s
+
+T tokens of the micro-batch, S sequences sampled (the LM head and the sampler), N sequences,
+P prefill attention pairs (Σ over prompt chunks of n·(c + (n+1)/2): n new tokens after c
+computed ones), D decode context tokens (Σ context lengths of the decodes), M the step's
+largest token count over the ranks, W the DP size, n_mb the micro-batches, k the
+``compute_scale`` (the real ranks' compute relative to the calibration grid's). Without
+expert parallelism ``token_s`` covers the MLP and R = 0; with it every rank runs its experts
+on the W·M padded rows of every rank at 1/W of the experts, so the MLP's share of
+``token_s`` (``mlp_token_s``) moves to R = M rows, dummy batches included. ``tick_s`` is the
+per-tick overhead outside the forward (the two gathers, scheduling, outputs).
+
+Where it is a guess: the per-rank terms are measured on this machine's model runner; the EP
+and tick terms are fitted on W = 2 real runs, so the ``(W-1)`` bandwidth factor (ring
+all-gather / reduce-scatter) and a W-independent latency are assumptions beyond W = 2; TBO
+overlaps nothing here (the CPU collectives compete with the compute: docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PROFILE_FORMAT = "atom-sim-profile"
+PROFILE_VERSION = 1
+PROFILES_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The cost model's coefficients (seconds per unit; module docstring)."""
+
+    step_s: float = 0.0
+    token_s: float = 0.0
+    mlp_token_s: float = 0.0
+    sampled_s: float = 0.0
+    seq_s: float = 0.0
+    prefill_pair_s: float = 0.0
+    decode_context_s: float = 0.0
+    dummy_s: float = 0.0
+    ep_fixed_s: float = 0.0
+    ep_row_s: float = 0.0
+    tick_s: float = 0.0
+    wake_s: float = 0.0  # an idle group's first tick after a request arrives
+    compute_scale: float = 1.0  # real ranks' compute ÷ the grid's (calibrate.fit_group)
+
+    def __post_init__(self):
+        negative = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
+        if negative:
+            raise ValueError(f"cost coefficients must be >= 0: {negative}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A calibration profile: coefficients plus where they come from.
+
+    Attributes:
+        coefficients: the cost model's.
+        kind: ``"measured"`` (``atom sim calibrate``) or ``"estimate"`` (roofline).
+        machine, dtype, model, date: what was measured (machine: CPU model, flags, threads).
+        model_facts: the model's KV bytes per block and context length (sizes the pools).
+        fit: the fit's errors per part (``mean_abs_rel_error``, ``max_abs_rel_error``, ...).
+        notes: how it was measured, in words.
+    """
+
+    coefficients: Coefficients
+    kind: str = "measured"
+    machine: dict = field(default_factory=dict)
+    dtype: str = "float32"
+    model: str = ""
+    date: str = ""
+    model_facts: dict = field(default_factory=dict)
+    fit: dict = field(default_factory=dict)
+    notes: str = ""
+
+    def to_json(self) -> dict:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+                **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        """Raises ValueError when ``data`` is not a profile of this version."""
+        if data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"not an {PROFILE_FORMAT} v{PROFILE_VERSION} profile")
+        fields = {k: v for k, v in data.items() if k not in ("format", "version")}
+        return cls(**{**fields, "coefficients": Coefficients(**fields["coefficients"])})
+
+    def save(self, path: str | pathlib.Path) -> None:
+        pathlib.Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def load_profile(name_or_path: str | pathlib.Path) -> Profile:
+    """A profile from a JSON file, or by name from the committed ones (``dp/sim/profiles``:
+    ``list_profiles()``). Raises ValueError for an unknown name or a bad file."""
+    path = pathlib.Path(name_or_path)
+    if not path.exists():
+        path = PROFILES_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        raise ValueError(f"no profile {str(name_or_path)!r}: give a JSON file or one of "
+                         f"{list_profiles()}")
+    return Profile.from_json(json.loads(path.read_text()))
+
+
+def list_profiles() -> list[str]:
+    """Names of the committed profiles."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What the cost model reads of one micro-batch on one rank (module docstring's units).
+
+    Attributes:
+        num_tokens: T. num_seqs: N. num_sampled: S.
+        prefill_pairs: P (query-key pairs of the prompt chunks).
+        decode_context: D (context tokens the decodes attend to).
+    """
+
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_sampled: int = 0
+    prefill_pairs: float = 0.0
+    decode_context: int = 0
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.num_tokens == 0
+
+
+def micro_batch(entries: Sequence[tuple[object, int, int]]) -> MicroBatch:
+    """The features of ``(seq, offset, num_new_tokens)`` entries (``atom.tbo.split_batch``'s
+    form; offset > 0: the second half of a split request), read before the step runs."""
+    num_tokens = num_sampled = decode_context = 0
+    prefill_pairs = 0.0
+    for seq, offset, n in entries:
+        start = seq.num_computed_tokens + offset
+        num_tokens += n
+        num_sampled += start + n == len(seq.token_ids)
+        if n == 1 and not seq.is_prefill:
+            decode_context += start + 1
+        else:
+            prefill_pairs += n * (start + (n + 1) / 2)
+    return MicroBatch(num_tokens, len(entries), num_sampled, prefill_pairs, decode_context)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step of the group, in parts (seconds): the slowest rank's compute, the EP
+    collectives, the tick's overhead; and what drove them (M, micro-batches)."""
+
+    compute_s: float
+    ep_s: float
+    tick_s: float
+    max_num_tokens: int
+    num_micro_batches: int
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.ep_s + self.tick_s
+
+
+class CostModel:
+    """Step durations from a :class:`Profile` (module docstring's form).
+
+    Args:
+        profile: the coefficients.
+        expert_parallel: the MLP runs on the step's largest batch and the EP collectives run.
+        slowest_rank: the group waits for its slowest rank (off, for the ablation: the mean).
+        dummy_cost: dummy batches cost ``dummy_s`` (off, for the ablation: nothing).
+    """
+
+    def __init__(self, profile: Profile, *, expert_parallel: bool = False,
+                 slowest_rank: bool = True, dummy_cost: bool = True):
+        self.profile = profile
+        self.c = profile.coefficients
+        self.expert_parallel = expert_parallel
+        self.slowest_rank = slowest_rank
+        self.dummy_cost = dummy_cost
+
+    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int) -> float:
+        """One micro-batch's compute on one rank (``max_num_tokens``: the step's M)."""
+        c = self.c
+        if self.expert_parallel:  # the MLP's share of token_s moves to the M padded rows
+            per_token, mlp = max(0.0, c.token_s - c.mlp_token_s), c.mlp_token_s * max_num_tokens
+        else:
+            per_token, mlp = c.token_s, 0.0
+        if mb.is_dummy:
+            return c.compute_scale * ((c.dummy_s if self.dummy_cost else 0.0) + mlp)
+        return c.compute_scale * (
+            c.step_s + per_token * mb.num_tokens + mlp + c.sampled_s * mb.num_sampled
+            + c.seq_s * mb.num_seqs + c.prefill_pair_s * mb.prefill_pairs
+            + c.decode_context_s * mb.decode_context)
+
+    def step(self, batches: Sequence[Sequence[MicroBatch]]) -> StepCost:
+        """The group's step: ``batches[r]`` are rank r's micro-batches (all ranks split the
+        same way: one each, or two with TBO)."""
+        max_num_tokens = max(sum(mb.num_tokens for mb in rank) for rank in batches)
+        times = [sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens) for mb in rank)
+                 for rank in batches]
+        compute = max(times) if self.slowest_rank else sum(times) / len(times)
+        num_micro_batches = len(batches[0])
+        ep = self.ep_s(max_num_tokens, num_micro_batches=num_micro_batches,
+                       world_size=len(batches))
+        return StepCost(compute, ep, self.c.tick_s, max_num_tokens, num_micro_batches)
+
+    def ep_s(self, max_num_tokens: int, *, num_micro_batches: int, world_size: int) -> float:
+        """The EP collectives of one step (none without EP, or when every batch is empty)."""
+        if not self.expert_parallel or max_num_tokens == 0:
+            return 0.0
+        c = self.c
+        return num_micro_batches * (c.ep_fixed_s + c.ep_row_s * max_num_tokens * (world_size - 1))

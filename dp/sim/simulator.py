@@ -1,0 +1,235 @@
+"""The simulator's DP loop: N virtual ranks ticking together, with the engine's decisions.
+
+Each tick does what :meth:`atom.dp.engine_core_proc.DPEngineCoreProc._tick` does on every
+rank, with the two all-gathers replaced by gathering the same values in memory:
+
+1. hand each rank's scheduler the requests that arrived (time-clocked: routed now by the
+   real :class:`~atom.dp.router.DPRouter`; tick-clocked: held since submission and due now,
+   :class:`~atom.dp.tick.TickArrivals`);
+2. every rank's :func:`~atom.dp.tick.control_state` → ``GatheredControl.from_states`` →
+   :func:`~atom.dp.tick.tick_action` (end the wave when no rank has work);
+3. the deployment's :class:`~atom.dp.prefill_policy.PrefillDecider` decides once (its state
+   is identical on every rank, so one object serves the group), then every rank's
+   ``Scheduler.schedule(allow_prefill=...)``;
+4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; every
+   rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
+5. the forward is the cost model (:class:`~atom.dp.sim.cost_model.CostModel`): the clock
+   advances by the group's step; every rank postprocesses with the trace's tokens;
+6. KV events go to the router's :class:`~atom.kv_subscriber.KVCacheIndex` (``cache_aware``),
+   finished requests release their router load, and with a trace folder every rank's row is
+   written in the ``--dp-trace`` format (:mod:`atom.dp.dp_trace`, on the simulated clock).
+
+Time-clocked workloads (``arrival_s``): an idle group wakes at the next arrival (plus the
+profile's ``wake_s``); a request that arrives during a step waits for the next tick, as on
+the real front end. Tick-clocked workloads (``arrival_tick``) replay as the real engine does
+(``atom.dp.sim.replay``): every request is routed at submission, in trace order, before the
+first tick (so the router sees every earlier request's load and no finish), and becomes
+visible at tick ``arrival_tick`` of the one wave the replay runs. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from atom.config import EngineConfig
+from atom.dp.dp_trace import format_row, tick_row, trace_header
+from atom.dp.prefill_policy import Decision, make_prefill_decider
+from atom.dp.router import CacheAwareSettings, DPRouter
+from atom.dp.sim.cost_model import CostModel, StepCost
+from atom.dp.sim.rank import RequestRecord, SimRank
+from atom.dp.sim.workload import TraceRequest, workload_clock
+from atom.dp.sync import GatheredBatchShape, GatheredControl
+from atom.dp.tick import StepCounters, TickAction, batch_shape, control_state, tick_action
+from atom.kv_subscriber import KVCacheIndex, wire_block_hashes
+from atom.scheduler import SchedulerOutput
+
+DEFAULT_MAX_TICKS = 10_000_000  # a runaway guard, far above any workload's need
+
+
+class SimTraceWriter:
+    """Every virtual rank's ``dp<rank>.jsonl`` (the ``--dp-trace`` format), written as the
+    simulation goes (synchronously: nothing else runs). Owns the files until :meth:`close`."""
+
+    def __init__(self, folder: str | pathlib.Path, *, dp_size: int, policy: str):
+        folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._files = [open(folder / f"dp{r}.jsonl", "w", buffering=1 << 16)
+                       for r in range(dp_size)]
+        for r, f in enumerate(self._files):
+            f.write(trace_header(dp_rank=r, dp_size=dp_size, policy=policy,
+                                 wall_minus_perf_us=0) + "\n")
+
+    def write(self, dp_rank: int, row: tuple) -> None:
+        self._files[dp_rank].write(format_row(row) + "\n")
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+
+
+class Simulator:
+    """Owns the virtual ranks, the router (and its KV index), the prefill decider, the
+    simulated clock and the tick and wave counters. One :meth:`run` per instance.
+
+    Args:
+        config: the deployment (``data_parallel_size`` ranks, its budgets, policy, routing,
+            TBO; ``num_kv_blocks`` and ``max_model_len`` as resolved by the caller).
+        cost: the cost model.
+        num_kv_blocks, max_model_len: each rank's pool and sequence limit.
+        trace_dir: write the per-tick trace there; None = off.
+        max_ticks: stop with RuntimeError after this many ticks (a runaway guard).
+    """
+
+    def __init__(self, config: EngineConfig, cost: CostModel, *, num_kv_blocks: int,
+                 max_model_len: int, trace_dir: str | pathlib.Path | None = None,
+                 max_ticks: int = DEFAULT_MAX_TICKS):
+        n = config.data_parallel_size
+        self.config = config
+        self.cost = cost
+        self.ranks = [SimRank(config, dp_rank=r, num_kv_blocks=num_kv_blocks,
+                              max_model_len=max_model_len) for r in range(n)]
+        self.counters = [StepCounters() for _ in range(n)]
+        self.decider = make_prefill_decider(config, log_every_n_decisions=None)
+        cache_aware = config.dp_load_balance == "cache_aware"
+        self.index = KVCacheIndex(range(n)) if cache_aware else None
+        self.router = DPRouter(config.dp_load_balance, n, index=self.index,
+                               cache_aware=CacheAwareSettings.from_config(config)
+                               if cache_aware else None)
+        self.trace = (None if trace_dir is None else
+                      SimTraceWriter(trace_dir, dp_size=n, policy=self.decider.policy.name))
+        self.max_ticks = max_ticks
+        self.now_s = 0.0
+        self.tick = 0
+        self.wave_id = 0
+        self.wave_start_tick = 0
+        self.idle = True
+        self.last_shapes: GatheredBatchShape | None = None
+        self.records: list[RequestRecord] = []
+        self.samples: list[tuple[int, float, list[int], list[float]]] = []  # load, KV per tick
+        self.step_log: list[tuple[int, StepCost]] = []  # (tick, its cost) of every step
+
+    # ----- requests -----
+
+    def _dispatch(self, request: TraceRequest) -> SimRank:
+        """Route ``request`` (charging its rank one request, as the DP client does)."""
+        hashes = (wire_block_hashes(request.prompt_token_ids, self.config.block_size)
+                  if self.index is not None and request.dp_rank is None else ())
+        rank = self.router.dispatch(request.request_id, request.dp_rank,
+                                    session_id=request.session_id, block_hashes=hashes)
+        return self.ranks[rank]
+
+    def _add(self, rank: SimRank, request: TraceRequest) -> None:
+        record = rank.add(request, now_s=self.now_s, tick=self.tick)
+        self.records.append(record)
+        if record.finished:  # rejected (can never fit)
+            self.router.release(request.request_id)
+
+    def _release_due(self) -> None:
+        tick_in_wave = self.tick - self.wave_start_tick
+        for rank in self.ranks:
+            for arrival_tick, request in rank.arrivals.due(tick_in_wave):
+                rank.num_late_arrivals += arrival_tick < tick_in_wave
+                self._add(rank, request)
+
+    # ----- the run -----
+
+    def run(self, workload: Sequence[TraceRequest]) -> None:
+        """Simulate ``workload`` to its last finish (see the module docstring for the clocks).
+
+        Raises:
+            ValueError: a mixed-clock workload, or a rank hint outside the deployment.
+            RuntimeError: more than ``max_ticks`` ticks.
+        """
+        if workload_clock(workload) == "tick":
+            for request in sorted(workload, key=lambda r: r.arrival_tick):
+                self._dispatch(request).arrivals.hold(request.arrival_tick, request)
+            pending: deque[TraceRequest] = deque()
+            self.idle = False  # the replay's StartWave
+        else:
+            pending = deque(sorted(workload, key=lambda r: r.arrival_s))
+        while True:
+            if self.idle:
+                if not pending:
+                    return
+                self.now_s = max(self.now_s, pending[0].arrival_s) + self.cost.c.wake_s
+                self.idle = False
+            while pending and pending[0].arrival_s <= self.now_s:
+                request = pending.popleft()
+                self._add(self._dispatch(request), request)
+            self._tick()
+            if self.tick > self.max_ticks:
+                raise RuntimeError(f"the simulation ran {self.max_ticks} ticks: a runaway?")
+
+    def _tick(self) -> None:
+        """One tick of every rank (module docstring)."""
+        self._release_due()
+        gathered = GatheredControl.from_states([
+            control_state(r.scheduler, has_work=r.has_work(), shutdown=False,
+                          wave_id=self.wave_id, tick=self.tick) for r in self.ranks])
+        self.tick += 1
+        if tick_action(gathered) is TickAction.END_WAVE:
+            self._end_wave()
+            return
+        decision = self.decider.decide(gathered, self.last_shapes)
+        scheds = [r.scheduler.schedule(allow_prefill=decision.allow) for r in self.ranks]
+        shapes = GatheredBatchShape.from_shapes([
+            batch_shape(s, tbo_eligible=r.tbo_eligible(s)) for r, s in zip(self.ranks, scheds)])
+        tbo = [c.count_step(shapes, is_dummy=s.is_empty)
+               for c, s in zip(self.counters, scheds)][0]
+        start_s = self.now_s
+        cost = self.cost.step([r.micro_batches(s, tbo=tbo) for r, s in zip(self.ranks, scheds)])
+        self.step_log.append((self.tick - 1, cost))
+        self.now_s += cost.total_s
+        self._complete(scheds)
+        self.last_shapes = shapes
+        if self.trace is not None:
+            self._trace(gathered, decision, shapes, start_s)
+        self.samples.append((self.tick - 1, start_s,
+                             [r.scheduler.num_running + r.scheduler.num_waiting for r in self.ranks],
+                             [r.block_manager.kv_usage for r in self.ranks]))
+
+    def _complete(self, scheds: list[SchedulerOutput]) -> None:
+        """Postprocess every rank's step; release finished requests; feed the KV index."""
+        for rank, sched in zip(self.ranks, scheds):
+            for record in rank.complete(sched, end_s=self.now_s, tick=self.tick - 1):
+                self.router.release(record.request.request_id)
+            events = rank.block_manager.take_events()  # taken every step, as the core does
+            if self.index is not None:
+                self.index.apply(rank.dp_rank, events)
+
+    def _end_wave(self) -> None:
+        self.wave_id += 1
+        self.wave_start_tick = self.tick
+        for c in self.counters:
+            c.num_waves_completed += 1
+        self.idle = True
+        self.decider.end_wave()
+        self.last_shapes = None
+
+    def _trace(self, gathered: GatheredControl, decision: Decision, shapes: GatheredBatchShape,
+               start_s: float) -> None:
+        start_ns = round(start_s * 1e9)
+        synced_ns = start_ns + round(self.cost.c.tick_s * 1e9)
+        end_ns = round(self.now_s * 1e9)
+        for r in range(len(self.ranks)):
+            self.trace.write(r, tick_row(dp_rank=r, gathered=gathered, decision=decision,
+                                         shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
+                                         end_ns=end_ns))
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+
+
+def run_timed(sim: Simulator, workload: Sequence[TraceRequest]) -> tuple[float, float]:
+    """Run ``sim`` on ``workload`` (and close it); returns the wall-clock and the CPU seconds
+    it took on this host (on shared cores the CPU time is the one that reproduces)."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    try:
+        sim.run(workload)
+    finally:
+        sim.close()
+    return time.perf_counter() - start, time.process_time() - start_cpu

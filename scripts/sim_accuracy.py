@@ -1,0 +1,144 @@
+"""Time accuracy of the simulator: ``scripts/dp_experiment.py``'s workload replayed
+time-clocked (seconds) on real 2-rank deployments, 3 runs each, against the simulator with
+this machine's calibration profile, plus the ablation (the cost model without the
+slowest-rank rule: the mean rank instead; without the dummy batches' cost).
+
+Configurations: the dense model and model (a) with its experts over the ranks (expert
+parallelism), the prefill policy off (``none``) and on (``delayer``). Metrics: the wall time
+from the first arrival to the last finish, mean TTFT and mean TPOT; error = simulated ÷
+median of the real runs − 1. Step counters are printed beside them (time-clocked, so the real
+runs' counts move with the machine's speed; the exact step-for-step comparison is the
+tick-clocked test, tests/dp/sim/test_sim_parity.py).
+
+    python scripts/sim_accuracy.py                       # the committed profiles
+    python scripts/sim_accuracy.py --calibrate           # calibrate first (a few minutes)
+
+Other processes on the machine change the real runs' speed; the load average is printed
+before and after, and the JSON (``--output-json``) keeps every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+
+from atom.config import EngineConfig
+from atom.dp.sim import default_profile_name, load_profile, simulate
+from atom.dp.sim import workload as W
+from atom.dp.sim.calibrate import machine_info
+from atom.dp.sim.replay import run_real
+
+BASE = EngineConfig(data_parallel_size=2, dtype="float32", num_threads=1, num_kv_blocks=32,
+                    max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False)
+MOE = dict(moe_split_experts=4, enable_expert_parallel=True)
+CONFIGS = {"dense, none": dict(prefill_policy="none"),
+           "dense, delayer": dict(prefill_policy="delayer"),
+           "EP, none": dict(prefill_policy="none", **MOE),
+           "EP, delayer": dict(prefill_policy="delayer", **MOE)}
+METRICS = (("wall time (s)", lambda r: r["elapsed_s"]),
+           ("mean TTFT (ms)", lambda r: r["ttft_ms"]["mean"]),
+           ("mean TPOT (ms)", lambda r: r["tpot_ms"]["mean"]))
+VARIANTS = {"model": {}, "no slowest-rank rule": {"slowest_rank": False},
+            "no dummy cost": {"dummy_cost": False}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--runs", type=int, default=3, help="real runs per configuration")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate this machine first (dense, then EP) instead of reading the "
+                        "committed profiles")
+    p.add_argument("--profile-dir", default="results/sim_accuracy_profiles",
+                   help="with --calibrate: where the fresh profiles go")
+    p.add_argument("--output-json", default="results/sim_accuracy.json")
+    return p.parse_args(argv)
+
+
+def profiles(args: argparse.Namespace) -> dict[str, object]:
+    """The profile of each model (dense, EP): fresh with ``--calibrate``, else committed."""
+    out = {}
+    for key, options in (("dense", {}), ("EP", MOE)):
+        config = dataclasses.replace(BASE, **options)
+        if args.calibrate:
+            from atom.dp.sim.calibrate import calibrate
+
+            print(f"calibrating ({key}) ...", file=sys.stderr, flush=True)
+            profile = calibrate(config)
+            folder = pathlib.Path(args.profile_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            profile.save(folder / f"{key}.json")
+        else:
+            profile = load_profile(default_profile_name(config))
+        out[key] = profile
+    return out
+
+
+def measure(name: str, args: argparse.Namespace, profile) -> dict:
+    config = dataclasses.replace(BASE, **CONFIGS[name])
+    requests = W.dp_experiment()
+    real = []
+    for i in range(args.runs):
+        print(f"{name}: real run {i + 1} of {args.runs} ...", file=sys.stderr, flush=True)
+        real.append(run_real(requests, config, name=name))
+    sims = {variant: simulate(requests, config, profile, name=name, **options)
+            for variant, options in VARIANTS.items()}
+    rows = []
+    for label, get in METRICS:
+        values = [get(r) for r in real]
+        median = statistics.median(values)
+        rows.append({"metric": label, "real": values, "real_median": median,
+                     **{variant: get(sim) for variant, sim in sims.items()},
+                     **{f"error, {variant}": get(sim) / median - 1 for variant, sim in
+                        sims.items()}})
+    steps = {"real": [r["num_steps"] for r in real], "sim": sims["model"]["num_steps"],
+             "real mixed": [r["num_mixed_prefill_steps"] for r in real],
+             "sim mixed": sims["model"]["num_mixed_prefill_steps"]}
+    return {"config": name, "rows": rows, "steps": steps, "real_runs": real,
+            "sim": sims["model"]}
+
+
+def print_table(results: list[dict]) -> None:
+    print("| configuration | metric | real (median of runs; all) | simulated | error | "
+          "error without slowest-rank rule | error without dummy cost |")
+    print("|---|---|---|---|---|---|---|")
+    for result in results:
+        for row in result["rows"]:
+            runs = ", ".join(f"{v:.0f}" if v > 100 else f"{v:.1f}" for v in row["real"])
+            print(f"| {result['config']} | {row['metric']} | {row['real_median']:.1f} ({runs}) | "
+                  f"{row['model']:.1f} | {row['error, model']:+.1%} | "
+                  f"{row['error, no slowest-rank rule']:+.1%} | "
+                  f"{row['error, no dummy cost']:+.1%} |")
+    for result in results:
+        s = result["steps"]
+        print(f"{result['config']}: forward steps real {s['real']} vs simulated {s['sim']}; "
+              f"mixed {s['real mixed']} vs {s['sim mixed']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    chosen = profiles(args)
+    results = [measure(name, args, chosen["EP" if "EP" in name else "dense"])
+               for name in args.configs]
+    load_after = os.getloadavg()
+    print(f"machine: {machine_info(1)}; load average before {load_before[0]:.1f}, after "
+          f"{load_after[0]:.1f}")
+    print_table(results)
+    out = pathlib.Path(args.output_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "load_average": [load_before, load_after],
+                               "profiles": {k: p.to_json() for k, p in chosen.items()},
+                               "results": results}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``atom sim``: run (generated and file workloads, the trace, the JSON), workload, sweep with
+its plot, one-line errors; and the calibration grid's measurement on the real model runner
+(two batches) with the profile it feeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atom.config import EngineConfig
+from atom.dp.dp_trace import read_trace
+from atom.dp.sim.calibrate import fit_grid, machine_info, measure_grid
+from atom.dp.sim.cost_model import Coefficients, Profile
+from atom.entrypoints.cli import main
+
+SMALL = ["--data-parallel-size", "2", "--num-kv-blocks", "32", "--max-num-seqs", "8",
+         "--max-model-len", "1024", "--no-enable-prefix-caching"]
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "profile.json"
+    Profile(Coefficients(step_s=0.05, token_s=1e-3, dummy_s=0.01),
+            model_facts={"kv_cache_bytes_per_token": 46080,
+                         "max_position_embeddings": 8192}).save(path)
+    return str(path)
+
+
+def test_run_writes_table_json_and_trace(tmp_path, profile, capsys):
+    out = tmp_path / "r.json"
+    code = main(["sim", "run", *SMALL, "--prefill-policy", "delayer", "--workload",
+                 "dp_experiment", "--clock", "tick", "--workload-arg", "burst_interval=8",
+                 "--profile", profile, "--trace-dir", str(tmp_path / "t"), "--output-json",
+                 str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "mixed-step fraction" in printed and "µs per tick" in printed
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 27 and result["prefill_policy"] == "delayer"
+    assert len(read_trace(tmp_path / "t")[0].rows) == result["num_steps"]
+
+
+def test_workload_file_round_trip_through_the_cli(tmp_path, profile, capsys):
+    trace = tmp_path / "w.jsonl"
+    assert main(["sim", "workload", "--workload", "kv_skewed", "--data-parallel-size", "2",
+                 "--workload-arg", "num_requests=12", "--output", str(trace)]) == 0
+    assert len(trace.read_text().splitlines()) == 12
+    out = tmp_path / "r.json"
+    assert main(["sim", "run", *SMALL, "--workload", str(trace), "--profile", profile,
+                 "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_requests"] == 12
+
+
+def test_sweep_writes_json_and_png(tmp_path, profile):
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert main(["sim", "sweep", "--workloads", "bursty", "--dp-sizes", "2", "4",
+                 "--policies", "none", "delayer", "--num-kv-blocks", "64", "--profile",
+                 profile, "--output-json", str(out), "--plot", str(png)]) == 0
+    results = json.loads(out.read_text())
+    assert [(r["dp_size"], r["prefill_policy"]) for r in results] == [
+        (2, "none"), (2, "delayer"), (4, "none"), (4, "delayer")]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim", "run", "--workload", "nope.jsonl"], "nope.jsonl"),
+    (["sim", "run", "--workload", "bursty", "--profile", "no-such-profile"], "no profile"),
+    (["sim", "run", "--data-parallel-size", "8", "--moe-split-experts", "4",
+      "--enable-expert-parallel"], "at least that many experts"),
+])
+def test_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_calibration_grid_on_the_real_model_runner():
+    grid = [{"decode": (2, 32)}, {"prefill": [(24, 0)]}, {"prefill": [(16, 0)], "tbo": True}, {}]
+    measurements, facts = measure_grid(EngineConfig(dtype="float32", num_threads=1),
+                                       repeats=1, grid=grid)
+    assert facts == {"kv_cache_bytes_per_token": 46080, "max_position_embeddings": 8192,
+                     "num_experts": None}
+    assert [m["point"] for m in measurements] == grid
+    assert all(m["seconds"] > 0 and 0 <= m["mlp_seconds"] < m["seconds"] for m in measurements)
+    assert [len(m["micro_batches"]) for m in measurements] == [1, 1, 2, 1]
+    assert measurements[0]["micro_batches"][0] == {
+        "num_tokens": 2, "num_seqs": 2, "num_sampled": 2, "prefill_pairs": 0.0,
+        "decode_context": 64}
+    coefficients, fit = fit_grid(measurements)
+    assert fit["num_points"] == 4 and all(v >= 0 for v in coefficients.values())
+    assert machine_info(1)["num_threads"] == 1

@@ -1,0 +1,112 @@
+"""The cost model's form from hand-made micro-batches (the slowest-rank rule, dummy batches,
+expert parallelism's MLP on the largest batch and its collectives, TBO), the features read
+from scheduled sequences, profiles (JSON round trip, the committed ones) and the fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atom.dp.sim.calibrate import _features, fit_grid, nnls
+from atom.dp.sim.cost_model import (
+    Coefficients,
+    CostModel,
+    MicroBatch,
+    Profile,
+    list_profiles,
+    load_profile,
+    micro_batch,
+)
+from atom.sampling_params import SamplingParams
+from atom.sequence import Sequence
+
+C = Coefficients(step_s=10.0, token_s=1.0, mlp_token_s=0.5, sampled_s=2.0, seq_s=0.25,
+                 prefill_pair_s=0.001, decode_context_s=0.01, dummy_s=3.0, ep_fixed_s=4.0,
+                 ep_row_s=0.1, tick_s=0.5)
+DECODE = MicroBatch(num_tokens=4, num_seqs=4, num_sampled=4, decode_context=400)
+PREFILL = MicroBatch(num_tokens=100, num_seqs=1, num_sampled=1, prefill_pairs=5050.0)
+DUMMY = MicroBatch()
+
+
+def test_dense_step_is_the_slowest_rank_plus_the_tick():
+    model = CostModel(Profile(C))
+    decode = 10 + 4 * 1.0 + 4 * 2.0 + 4 * 0.25 + 400 * 0.01  # 27
+    prefill = 10 + 100 * 1.0 + 2.0 + 0.25 + 5050 * 0.001  # 117.3
+    assert model.micro_batch_s(DECODE, max_num_tokens=100) == pytest.approx(decode)
+    assert model.micro_batch_s(DUMMY, max_num_tokens=100) == 3.0
+    cost = model.step([[DECODE], [PREFILL], [DUMMY]])
+    assert (cost.compute_s, cost.ep_s, cost.tick_s) == (pytest.approx(prefill), 0.0, 0.5)
+    mean = CostModel(Profile(C), slowest_rank=False).step([[DECODE], [PREFILL], [DUMMY]])
+    assert mean.compute_s == pytest.approx((decode + prefill + 3.0) / 3)
+    free = CostModel(Profile(C), dummy_cost=False)
+    assert free.step([[DUMMY], [DUMMY]]).total_s == 0.5
+
+
+def test_expert_parallel_mlp_runs_on_the_largest_batch():
+    model = CostModel(Profile(C), expert_parallel=True)
+    # the decode rank's MLP runs on M = 100 rows: 0.5 per token moves from 4 rows to 100
+    decode = 10 + 4 * 0.5 + 100 * 0.5 + 4 * 2.0 + 4 * 0.25 + 400 * 0.01
+    assert model.micro_batch_s(DECODE, max_num_tokens=100) == pytest.approx(decode)
+    assert model.micro_batch_s(DUMMY, max_num_tokens=100) == pytest.approx(3.0 + 50.0)
+    cost = model.step([[DECODE], [PREFILL]])
+    assert cost.ep_s == pytest.approx(4.0 + 0.1 * 100 * 1) and cost.max_num_tokens == 100
+    two = model.step([[DECODE, DECODE], [PREFILL, DUMMY]])  # TBO: 2 micro-batches, each M
+    assert two.num_micro_batches == 2 and two.ep_s == pytest.approx(2 * (4.0 + 0.1 * 100))
+    assert model.step([[DUMMY], [DUMMY]]).ep_s == 0.0  # M = 0: no collectives at all
+
+
+def seq(num_prompt: int, *, computed: int, outputs: int = 0) -> Sequence:
+    s = Sequence("r", list(range(num_prompt)), SamplingParams(max_tokens=8))
+    s.token_ids += [7] * outputs
+    s.num_computed_tokens = computed
+    return s
+
+
+def test_micro_batch_features_from_scheduled_sequences():
+    decode = seq(10, computed=10, outputs=1)  # context 11
+    chunk = seq(100, computed=20)  # 30 new tokens after 20: not the prompt's end
+    last = seq(40, computed=32)  # the last 8 prompt tokens: sampled
+    mb = micro_batch([(decode, 0, 1), (chunk, 0, 30), (last, 0, 8)])
+    assert mb == MicroBatch(num_tokens=39, num_seqs=3, num_sampled=2,
+                            prefill_pairs=30 * (20 + 15.5) + 8 * (32 + 4.5), decode_context=11)
+    half = micro_batch([(chunk, 15, 15)])  # TBO's second half of a split request
+    assert half.prefill_pairs == 15 * (35 + 8) and half.num_sampled == 0
+
+
+def test_profile_round_trip_and_committed_profiles(tmp_path):
+    profile = Profile(C, kind="estimate", machine={"cpu": "x"}, model="m", date="d",
+                      model_facts={"max_position_embeddings": 8192}, fit={"grid": {}})
+    profile.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+    with pytest.raises(ValueError, match="no profile"):
+        load_profile("no-such-profile")
+    with pytest.raises(ValueError, match=">= 0"):
+        Coefficients(step_s=-1.0)
+    for name in list_profiles():
+        loaded = load_profile(name)
+        assert loaded.kind == "measured" and loaded.fit["grid"]["num_points"] > 0
+        assert loaded.model_facts["kv_cache_bytes_per_token"] > 0
+
+
+def test_nnls_and_the_grid_fit_recover_known_coefficients():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0, 1, (40, 3))
+    assert np.allclose(nnls(a, a @ np.array([2.0, 0.0, 1.0])), [2.0, 0.0, 1.0])
+    assert (nnls(a, a @ np.array([2.0, -1.0, 1.0])) >= 0).all()  # a negative one is dropped
+    truth = CostModel(Profile(C))
+    batches = [[DUMMY], [DUMMY, DUMMY], [DECODE, PREFILL]] + [
+        [MicroBatch(num_tokens=int(t), num_seqs=int(n), num_sampled=int(s), prefill_pairs=p,
+                    decode_context=int(d))]
+        for t, n, s, p, d in zip(rng.integers(1, 500, 20), rng.integers(1, 30, 20),
+                                 rng.integers(0, 30, 20), rng.uniform(0, 1e5, 20),
+                                 rng.integers(0, 5000, 20))]
+    measurements = [{"point": {}, "seconds": sum(truth.micro_batch_s(mb, max_num_tokens=0)
+                                                 for mb in mbs),
+                     "mlp_seconds": 0.5 * sum(mb.num_tokens for mb in mbs),
+                     "micro_batches": [vars(mb) for mb in mbs]} for mbs in batches]
+    coefficients, fit = fit_grid(measurements)
+    assert fit["max_abs_rel_error"] < 1e-6 and coefficients["mlp_token_s"] == pytest.approx(0.5)
+    assert len(_features([DUMMY])) == 7
+    for name in ("step_s", "token_s", "sampled_s", "seq_s", "prefill_pair_s",
+                 "decode_context_s", "dummy_s"):
+        assert coefficients[name] == pytest.approx(getattr(C, name), rel=1e-6)
