@@ -13,7 +13,8 @@ accuracy benchmark. Two clocks, as the workload says (:mod:`atom.dp.sim.workload
 - **time-clocked** (``arrival_s``): each request is sent once its time has come (seconds
   after the start), and routed then; step counts move with the machine's speed.
 
-Returns :mod:`atom.dp.sim.metrics`' result dict (plus ``ranks``: every rank's final stats).
+Returns :mod:`atom.dp.sim.metrics`' result dict (plus ``ttft_ms_by_request`` and
+``tpot_ms_by_request``: each request's, in milliseconds).
 """
 
 from __future__ import annotations
@@ -130,6 +131,11 @@ def real_result(name: str, config: EngineConfig, finished: dict, token_times: di
             ttft_s=[o.metrics.ttft_s for o in finished.values() if o.metrics.ttft_s is not None],
             tpot_s=[o.metrics.tpot_s for o in finished.values() if o.metrics.tpot_s is not None],
             itl_s=itl),
+        # per request, for latencies by request class (scripts/dp_experiment.py)
+        "ttft_ms_by_request": {i: o.metrics.ttft_s * 1e3 for i, o in finished.items()
+                               if o.metrics.ttft_s is not None},
+        "tpot_ms_by_request": {i: o.metrics.tpot_s * 1e3 for i, o in finished.items()
+                               if o.metrics.tpot_s is not None},
         "per_rank": [{k: r[k] for k in ("dp_rank", "num_real_steps", "num_dummy_steps",
                                         "num_preemptions", "num_late_arrivals") if k in r}
                      for r in ranks],

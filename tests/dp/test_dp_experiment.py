@@ -2,16 +2,16 @@
 sharded over 2 real ranks): both configurations (the coalescer with TBO off and on) complete,
 their counters are consistent, and each leaves its trace, Perfetto JSON and PNG (the numbers
 themselves are the script's output, not asserted; the dense workload's policy comparison is
-tests/dp/test_dp_engine_coalescer.py)."""
+tests/dp/test_dp_engine_coalescer.py). Repeats, the who-paid table and the warnings from hand-made
+run results."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
-
-
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "dp_experiment.py"
 
@@ -27,8 +27,11 @@ def test_dp_experiment_small_run(tmp_path):
          "--output-json", str(out)],
         capture_output=True, text=True, timeout=900)  # liveness only
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mixed-step fraction" in proc.stdout
-    results = json.loads(out.read_text())["results"]
+    assert "mixed-step fraction" in proc.stdout and "Who paid" in proc.stdout
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["warnings"] == [line.removeprefix("warning: ") for line in
+                                  proc.stdout.splitlines() if line.startswith("warning: ")]
     assert [r["name"] for r in results] == ["coalescer, interval 0, TBO off",
                                             "coalescer, interval 0, TBO on"]
     for r in results:
@@ -42,5 +45,45 @@ def test_dp_experiment_small_run(tmp_path):
         trace = pathlib.Path(r["trace"])
         assert {p.name for p in trace.iterdir()} == {"dp0.jsonl", "dp1.jsonl", "perfetto.json",
                                                     "timeline.png"}
-        assert r["prefill_policy"] == "coalescer"
+        assert r["prefill_policy"] == "coalescer" and r["repeats"] == 1
+        assert set(r["by_class"]) == {"pressure", "burst"} and len(r["peak_kv_usage"]) == 2
     assert [r["num_tbo_steps"] > 0 for r in results] == [False, True]
+
+
+def _script_module():
+    """scripts/dp_experiment.py as a module (it imports scripts/dp_trace.py beside it)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("dp_experiment", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(name: str, policy: str, tok_s: float, *, holds: int = 0, peak: float = 1.0) -> dict:
+    """One run's result with the fields the aggregation, table and warnings read."""
+    latency = {"mean": 100.0, "p50": 100.0, "p90": 150.0, "p99": 150.0}
+    return {"name": name, "prefill_policy": policy, "prefill_decode_interval": 0,
+            "output_tokens_per_s": tok_s, "ttft_ms": latency, "mixed_step_fraction": 0.1,
+            "num_tbo_steps": 0,
+            "prefill_policy_stats": {"decisions_hold": holds, "decisions_allow_all": 5},
+            "per_rank": [{"dp_rank": 0, "num_preemptions": 0}, {"dp_rank": 1, "num_preemptions": 0}],
+            "peak_kv_usage": [peak, 0.2],
+            "by_class": {"pressure": {"ttft_ms": latency}, "burst": {"ttft_ms": latency}}}
+
+
+def test_repeats_give_medians_and_spread_and_warnings_say_what_a_run_did_not_exercise():
+    m = _script_module()
+    none = m.aggregate([_run("none", "none", t) for t in (10.0, 12.0, 30.0)])
+    assert none["output_tokens_per_s"] == 12.0 and none["repeats"] == 3 and len(none["runs"]) == 3
+    assert none["spread"]["output_tokens_per_s"] == [10.0, 30.0]
+    idle_delayer = m.aggregate([_run("delayer", "delayer", t) for t in (11.0, 13.0, 14.0)])
+    warnings = m.warnings_for([none, idle_delayer])
+    assert any("the delayer never held a prefill" in w for w in warnings), warnings
+    assert any("overlaps" in w for w in warnings), warnings  # 11-14 inside 10-30
+    assert not any("KV-pressured" in w for w in warnings) and m.NOISE_NOTE not in warnings
+    single = m.warnings_for([m.aggregate([_run("none", "none", 10.0, peak=0.5)]),
+                             m.aggregate([_run("delayer", "delayer", 20.0, holds=3, peak=0.5)])])
+    assert not any("never held" in w for w in single), single
+    assert sum("no rank was KV-pressured" in w for w in single) == 2 and m.NOISE_NOTE in single
+    table = m.details_table([none, idle_delayer])
+    assert "10.0-30.0" in table and "allow_all 5" in table and "100%" in table
