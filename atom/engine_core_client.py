@@ -38,6 +38,7 @@ the front end then sends its unfinished requests again (:class:`atom.engine.LLME
 
 from __future__ import annotations
 
+import abc
 import collections
 import itertools
 import logging
@@ -115,7 +116,7 @@ def merge_rank_results(results: list[dict]) -> dict:
     return merged
 
 
-class EngineCoreClient:
+class EngineCoreClient(abc.ABC):
     """The client interface of a front end over its engine cores (module docstring).
 
     ``runtime`` (:class:`~atom.messages.EngineRuntime`) is set once the cores are ready.
@@ -123,6 +124,7 @@ class EngineCoreClient:
 
     runtime: EngineRuntime
 
+    @abc.abstractmethod
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
                     session_id: str | None = None) -> None:
         """Send a request. ``data_parallel_rank`` pins the DP rank, ``session_id`` names the
@@ -134,18 +136,18 @@ class EngineCoreClient:
             OverflowError, msgspec.EncodeError: a value msgpack cannot hold (nothing is sent).
             EngineDeadError: a core process is gone.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def abort(self, request_ids: list[str]) -> None:
         """Client aborts: the owning cores free these requests' KV blocks (nothing is
         reported back: the front end ended them)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish(self, seq_keys: list[tuple[str, int]], stop_reasons: list[str]) -> None:
         """Stop strings the front end matched: the owning cores finish these
         ``(request_id, index)`` sequences (not aborts) and free their KV blocks."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def get_outputs(self, timeout_s: float | None = None) -> list[SeqOutput]:
         """Sequence outputs of the cores' steps, oldest first; ``[]`` when none came within
         ``timeout_s`` seconds (None = wait until some arrive).
@@ -153,8 +155,8 @@ class EngineCoreClient:
         Raises:
             EngineDeadError: a core process exited (outputs it sent before come first).
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def call_utility_per_rank(self, method: str) -> list[dict]:
         """Run a core method (``get_stats``, ``reset_prefix_cache``) on every core, after every
         input sent so far; results in rank order.
@@ -163,15 +165,14 @@ class EngineCoreClient:
             ValueError: the core does not know ``method``.
             EngineDeadError: a core process exited.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def is_alive(self) -> bool:
         """False once any core process has exited (in-process: always True)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop the cores and free what the client holds. Idempotent; never raises."""
-        raise NotImplementedError
 
     def call_utility(self, method: str) -> dict:
         """``method`` on every core, merged over ranks (:func:`merge_rank_results`)."""
