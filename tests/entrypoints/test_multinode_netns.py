@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 

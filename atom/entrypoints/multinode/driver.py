@@ -46,7 +46,6 @@ from atom.entrypoints.multinode.deploy import (
 )
 from atom.entrypoints.multinode.netns import NODE_IFNAME, NetnsHosts
 from atom.entrypoints.multinode.rank_stats import MetricsSampler, per_rank, scrape
-from atom.entrypoints.multinode.report import write_report
 
 logger = logging.getLogger(__name__)
 
