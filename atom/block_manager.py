@@ -240,6 +240,20 @@ class BlockManager:
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink ``seq``'s block table to the blocks ``num_tokens`` tokens need, freeing the
+        rest: the slots speculative decoding reserved for draft tokens that were rejected.
+
+        The freed blocks lie past the sequence's computed tokens, so they were never hashed or
+        shared (ref count 1); they go to the free queue's tail.
+        """
+        keep = self.num_required_blocks(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.block_hash is None, block.block_id
+            block.ref_count = 0
+            self.free_queue[block.block_id] = None
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Publish hashes of ``seq``'s full blocks whose KV is now computed.
 

@@ -21,6 +21,7 @@ DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
 PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
 PREFILL_POLICIES = ("delayer", "coalescer", "none")
 ON_RANK_FAILURE = ("shrink", "replace", "stop")
+SPECULATIVE_METHODS = ("ngram", "draft")
 MIN_ENGINE_HANG_TIMEOUT_S = 2.0  # heartbeats come every timeout / 5 s, at most 1 s apart
 # options that were replaced: the old name fails with a message that says what to use
 _REPLACED_OPTIONS = {
@@ -161,6 +162,27 @@ class EngineConfig:
     """Split every dense MLP into this many experts along the intermediate dimension, each
     token routed to all of them with gate 1 (the dense model's function, as an MoE: the checkable model
     (a) of docs/ARCHITECTURE.md, "Models")."""
+    speculative_method: str | None = None
+    """Speculative decoding: ngram (prompt lookup: propose what followed the last n tokens
+    earlier in the sequence), draft (an early-exit draft of the target: its first
+    draft_num_layers layers, final norm and LM head, on the target's own KV cache) or None = off.
+    Outputs keep the target's distribution at any temperature (rejection sampling)."""
+    num_speculative_tokens: int = 3
+    """Speculative decoding: most draft tokens a decode verifies per step (k; a step emits up
+    to k + 1 tokens per sequence)."""
+    draft_model: str | None = None
+    """Speculative decoding (draft): a separate draft model (not supported yet: use
+    draft_num_layers for the early-exit draft)."""
+    draft_num_layers: int | None = None
+    """Speculative decoding (draft): layers of the early-exit draft, 1 .. the target's layers
+    (all layers: the draft is the target and accepts every draft token)."""
+    prompt_lookup_min: int = 1
+    """Speculative decoding (ngram): shortest n-gram matched (tokens)."""
+    prompt_lookup_max: int = 3
+    """Speculative decoding (ngram): longest n-gram matched (tokens; tried first)."""
+    spec_log_every_steps: int = 100
+    """Speculative decoding: log the acceptance statistics every this many verify steps
+    (0 = never)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -194,6 +216,33 @@ class EngineConfig:
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         self._check_prefill_policy()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """The speculative decoding settings (``__post_init__``). Raises ValueError."""
+        if self.speculative_method is None:
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method={self.speculative_method!r} is not supported: "
+                             f"use one of {SPECULATIVE_METHODS} (or None for off)")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
+        if self.spec_log_every_steps < 0:
+            raise ValueError(f"spec_log_every_steps={self.spec_log_every_steps} must be >= 0")
+        if self.speculative_method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.speculative_method == "draft":
+            if self.draft_model is not None:
+                raise ValueError("draft_model: a separate draft model is not supported yet; use "
+                                 "draft_num_layers (the early-exit draft of the target)")
+            if self.draft_num_layers is None or self.draft_num_layers < 1:
+                raise ValueError(f"speculative_method='draft' needs draft_num_layers >= 1 (got "
+                                 f"{self.draft_num_layers}): the early-exit draft's layer count")
+            if self.enable_expert_parallel:
+                raise ValueError("speculative_method='draft' with expert parallelism is not "
+                                 "supported yet (the draft forwards would need their own "
+                                 "lockstep); use speculative_method='ngram'")
 
     def _check_prefill_policy(self) -> None:
         """The prefill policy settings (``__post_init__``). Raises ValueError."""

@@ -35,6 +35,18 @@ choices that had finished are not run again.
 
 Sequences finished from outside (:meth:`EngineCore.abort_requests`,
 :meth:`EngineCore.finish_requests`) report nothing: the front end ended them and already knows.
+One finished between :meth:`EngineCore.schedule` and :meth:`EngineCore.execute` is dropped from
+the step before the forward (its blocks, draft slots included, are already free).
+
+Speculative decoding (``speculative_method``): the scheduler reserves draft slots and the
+n-gram proposer fills them inside ``schedule()``; the early-exit draft
+(:mod:`atom.draft_proposer`) fills them in :meth:`EngineCore.schedule` right after, so the
+batch (and a DP rank's batch shape) is final when ``schedule`` returns. The forward scores every
+draft; :class:`~atom.rejection_sampler.RejectionSampler` keeps the accepted ones plus one token,
+the scheduler cuts the run at the first stop, and a sequence's output carries all the tokens it
+kept this step (``new_token_ids`` may hold several). :class:`~atom.spec_stats.SpecStats` counts
+it (``get_stats()``'s ``spec_*`` entries, a log line every ``spec_log_every_steps`` verify
+steps). Without ``speculative_method`` none of this runs.
 """
 
 from __future__ import annotations
@@ -112,9 +124,17 @@ class EngineCore:
                                      kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        self.draft_proposer, ngram = _make_proposers(config, self.runner)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, max_model_len),
-                                   self.block_manager, eos_token_ids=eos)
+                                   self.block_manager, eos_token_ids=eos, proposer=ngram)
         self.sampler = Sampler(eos, seed=config.seed)
+        self.rejection_sampler = self.spec_stats = None
+        if config.speculative_method is not None:
+            from atom.rejection_sampler import RejectionSampler
+            from atom.spec_stats import SpecStats
+
+            self.rejection_sampler = RejectionSampler(self.sampler)
+            self.spec_stats = SpecStats(config.num_speculative_tokens)
         self.kv_event_publisher = _start_publisher(config, dp_rank)
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[SeqOutput] = []  # finishes decided outside a step (rejections)
@@ -231,13 +251,19 @@ class EngineCore:
     def tbo_eligible(self, sched: SchedulerOutput) -> bool:
         """Whether ``enable_tbo`` is on and this batch can run as two micro-batches (the DP
         loop splits only when every rank's answer is yes)."""
-        return self.config.enable_tbo and can_split(sched.scheduled)
+        return self.config.enable_tbo and not sched.spec_budget and can_split(sched.scheduled)
 
     def schedule(self, *, allow_prefill: bool = True) -> SchedulerOutput:
         """The first half of :meth:`step`: pick this tick's batch (``allow_prefill=False`` holds
         every prefill: the cross-rank decision of the tick). The DP loop exchanges the batch
-        shape between :meth:`schedule` and :meth:`execute`."""
-        return self.scheduler.schedule(allow_prefill=allow_prefill)
+        shape between :meth:`schedule` and :meth:`execute`. With the early-exit draft, its
+        forwards run here and fill the reserved draft slots."""
+        sched = self.scheduler.schedule(allow_prefill=allow_prefill)
+        if self.draft_proposer is not None and sched.spec_budget:
+            seqs = [seq for seq, _ in sched.scheduled if seq.seq_id in sched.spec_budget]
+            drafts = self.draft_proposer.propose(seqs, [sched.spec_budget[s.seq_id] for s in seqs])
+            self.scheduler.set_spec_tokens(sched, seqs, drafts)
+        return sched
 
     def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                 ) -> list[SeqOutput]:
@@ -251,6 +277,8 @@ class EngineCore:
             if seq.is_finished:  # cut: the pool cannot hold this sequence even alone
                 outputs.append(_finish_output(seq, seq.finish_reason, error=seq.error_message))
                 self._forget_if_done(seq.request_id)
+        if any(seq.is_finished for seq, _ in sched.scheduled):  # finished since schedule()
+            sched.scheduled = [(seq, n) for seq, n in sched.scheduled if not seq.is_finished]
         if not sched.is_empty:
             outputs += self._execute(sched, two_batch_overlap)
         self._publish_kv_events()
@@ -277,30 +305,70 @@ class EngineCore:
         if not sampled_seqs:
             self.scheduler.postprocess(sched, {})
             return []
+        if model_out.num_rows is not None:
+            return self._verify(sched, model_out.logits, sampled_seqs)
         sampled = self.sampler(model_out.logits, sampled_seqs)
         self.scheduler.postprocess(sched, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
         outputs = []
-        finished_request_ids = []
         for row, seq in enumerate(sampled_seqs):
             logprobs = sampled.logprobs[row]
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs)
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
-            state = self._requests[seq.request_id]
-            send_prompt_logprobs = seq.index == 0 and seq.num_output_tokens == 1
-            outputs.append(SeqOutput(
-                request_id=seq.request_id, index=seq.index, new_token_ids=[seq.token_ids[-1]],
-                new_logprobs=None if logprobs is None else [logprobs],
-                cumulative_logprob=seq.cumulative_logprob,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason, error=seq.error_message,
-                num_cached_tokens=seq.num_cached_tokens, num_prompt_tokens=seq.num_prompt_tokens,
-                prompt_logprobs=state.prompt_logprobs if send_prompt_logprobs else None))
-            if seq.is_finished:
-                finished_request_ids.append(seq.request_id)
-        for request_id in finished_request_ids:  # after the loop: siblings may still be in it
-            self._forget_if_done(request_id)
+            outputs.append(self._seq_output(seq, [seq.token_ids[-1]],
+                                            None if logprobs is None else [logprobs]))
+        self._forget_finished(sampled_seqs)
         return outputs
+
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, seqs: list[Sequence]
+                ) -> list[SeqOutput]:
+        """The rest of a speculative step: verify every sampled sequence's drafts (none for a
+        prefill's last chunk or a decode without drafts: one sampled token), append what each
+        keeps (cut at its first stop), count the verifies, build the outputs."""
+        drafts = [seq.spec_token_ids for seq in seqs]
+        verified = self.rejection_sampler(logits, seqs, drafts)
+        num_before = [len(seq.token_ids) for seq in seqs]
+        self.scheduler.postprocess(sched, {
+            seq.seq_id: tokens if seq.seq_id in sched.spec_budget else tokens[0]
+            for seq, tokens in zip(seqs, verified.token_ids)})
+        stats = self.spec_stats
+        stats.num_verify_steps += 1
+        outputs = []
+        for row, seq in enumerate(seqs):
+            num_new = len(seq.token_ids) - num_before[row]
+            logprobs = verified.logprobs[row][:num_new]
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs += logprobs
+            seq.cumulative_logprob += sum(verified.sampled_logprobs[row][:num_new])
+            if drafts[row]:
+                stats.record(num_drafts=len(drafts[row]), num_accepted=len(verified.token_ids[row]) - 1,
+                             num_emitted=num_new)
+            outputs.append(self._seq_output(seq, seq.token_ids[len(seq.token_ids) - num_new:],
+                                            logprobs if seq.sampling_params.logprobs is not None
+                                            else None))
+        every = self.config.spec_log_every_steps
+        if every and stats.num_verify_steps % every == 0:
+            logger.info(stats.summary())
+        self._forget_finished(seqs)
+        return outputs
+
+    def _seq_output(self, seq: Sequence, new_token_ids: list[int],
+                    new_logprobs: list[dict[int, float]] | None) -> SeqOutput:
+        """A sampled sequence's output for this step (prompt logprobs with choice 0's first)."""
+        state = self._requests[seq.request_id]
+        send_prompt_logprobs = seq.index == 0 and seq.num_output_tokens == len(new_token_ids)
+        return SeqOutput(
+            request_id=seq.request_id, index=seq.index, new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs, cumulative_logprob=seq.cumulative_logprob,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason, error=seq.error_message,
+            num_cached_tokens=seq.num_cached_tokens, num_prompt_tokens=seq.num_prompt_tokens,
+            prompt_logprobs=state.prompt_logprobs if send_prompt_logprobs else None)
+
+    def _forget_finished(self, seqs: list[Sequence]) -> None:
+        """Forget the requests of finished ``seqs`` (after the outputs: siblings may be in it)."""
+        for request_id in {seq.request_id: None for seq in seqs if seq.is_finished}:
+            self._forget_if_done(request_id)
 
     def _record_prompt_logprobs(self, prompt_logits: dict[int, torch.Tensor],
                                 by_id: dict[int, Sequence]) -> None:
@@ -344,6 +412,8 @@ class EngineCore:
             "num_aborted_seqs": self.num_aborted_seqs,
             "num_front_end_finished_seqs": self.num_front_end_finished_seqs,
         }
+        if self.spec_stats is not None:
+            stats.update(self.spec_stats.as_stats())
         if self.kv_event_publisher is not None:
             pub = self.kv_event_publisher.stats()
             stats["kv_events_published_batches"] = pub["num_published_batches"]
@@ -383,6 +453,21 @@ class EngineCore:
 def prefix_cache_hit_rate(hits: int, queries: int) -> float:
     """Prompt tokens served from the prefix cache / prompt tokens looked up (0 with none)."""
     return hits / queries if queries else 0.0
+
+
+def _make_proposers(config: EngineConfig, runner):
+    """(model-based proposer run by the core, in-scheduler proposer) for ``config``'s
+    ``speculative_method``; (None, None) when speculative decoding is off."""
+    if config.speculative_method == "ngram":
+        from atom.proposer import NgramProposer
+
+        return None, NgramProposer(prompt_lookup_min=config.prompt_lookup_min,
+                                   prompt_lookup_max=config.prompt_lookup_max)
+    if config.speculative_method == "draft":
+        from atom.draft_proposer import EarlyExitProposer
+
+        return EarlyExitProposer(runner, num_layers=config.draft_num_layers), None
+    return None, None
 
 
 def _start_publisher(config: EngineConfig, dp_rank: int):

@@ -92,7 +92,7 @@ _MAX_FAILURES_KEPT = 8  # rank failures remembered for /health
 # KV pool's sizes are summed: free and total blocks of the whole deployment)
 _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "collective_hash",
                          "idle", "num_waves_completed", "num_steps", "num_prefill_steps",
-                         "num_mixed_prefill_steps", "num_tbo_steps"))
+                         "num_mixed_prefill_steps", "num_tbo_steps", "num_spec_steps"))
 _NOT_SUMMED_PREFIXES = ("prefill_policy_",)  # the prefill decisions: identical on every rank
 
 

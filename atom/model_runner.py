@@ -38,11 +38,16 @@ class ModelOutput:
             ``p < num_prompt_tokens - 1`` (row for position ``p`` predicts token ``p + 1``), in
             position order. A sequence has an entry only if at least one such position ran.
             After a preemption the recomputed prompt positions appear again.
+        num_rows: None when no sequence carried draft tokens; else, per sampled sequence, its
+            rows in ``logits``: ``1 + len(seq.spec_token_ids)`` (the verify positions of
+            speculative decoding: row ``j`` predicts the token after draft ``j``), the rows of
+            each sequence consecutive, in ``sampled_seq_ids`` order.
     """
 
     logits: torch.Tensor
     sampled_seq_ids: list[int]
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    num_rows: list[int] | None = None
 
 
 @dataclass
@@ -55,6 +60,7 @@ class _Batch:
     sample_rows: list[int]
     sampled_seq_ids: list[int]
     prompt_rows: dict[int, tuple[int, int]]
+    num_rows: list[int] | None = None
 
 
 class ModelRunner:
@@ -135,7 +141,9 @@ class ModelRunner:
 
         Args:
             scheduled: ``(sequence, num_new_tokens)`` pairs; computes
-                ``seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``.
+                ``seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``,
+                then the sequence's draft tokens (``seq.spec_token_ids``, speculative decoding:
+                their slots are reserved too) when that reaches its last token.
                 An empty list still runs the forward (on zero tokens), so a DP dummy batch
                 issues the same per-layer work and collectives as a real one.
             num_padding_tokens: extra tokens appended after the real ones that write no KV and
@@ -175,8 +183,9 @@ class ModelRunner:
                 part = self.model.compute_logits(hidden[start:end])
                 earlier = prompt_logits.get(seq_id)  # a request split across micro-batches
                 prompt_logits[seq_id] = part if earlier is None else torch.cat([earlier, part])
+        num_rows = parts[0][0].num_rows if len(parts) == 1 else None  # no drafts with TBO
         return ModelOutput(logits=logits[0] if len(logits) == 1 else torch.cat(logits),
-                           sampled_seq_ids=sampled, prompt_logits=prompt_logits)
+                           sampled_seq_ids=sampled, prompt_logits=prompt_logits, num_rows=num_rows)
 
     def _check_entry(self, seq: Sequence, num_new_tokens: int) -> None:
         end = seq.num_computed_tokens + num_new_tokens
@@ -184,6 +193,8 @@ class ModelRunner:
             raise ValueError(
                 f"seq {seq.seq_id}: num_new_tokens={num_new_tokens} with num_computed_tokens="
                 f"{seq.num_computed_tokens} must cover 1..{len(seq.token_ids)} tokens")
+        if end == len(seq.token_ids):
+            end += len(seq.spec_token_ids)
         if end > self.max_model_len:
             raise ValueError(f"seq {seq.seq_id}: {end} tokens exceed max_model_len="
                              f"{self.max_model_len}")
@@ -200,6 +211,11 @@ class ModelRunner:
         across micro-batches)."""
         for seq, offset, num_new_tokens in entries:
             self._check_entry(seq, offset + num_new_tokens)
+        spec = any(seq.spec_token_ids for seq, _, _ in entries)
+        if spec:  # a verify entry computes its last token and its drafts: not a 1-token decode
+            entries = [(seq, skip, n) if not seq.spec_token_ids
+                       or seq.num_computed_tokens + skip + n < len(seq.token_ids)
+                       else (seq, skip, n + len(seq.spec_token_ids)) for seq, skip, n in entries]
         # Stable partition: one-token entries first (batched decode attention), then the rest.
         order = ([e for e in entries if e[2] == 1] + [e for e in entries if e[2] != 1])
         bs = self.block_size
@@ -217,6 +233,8 @@ class ModelRunner:
             offset = len(input_ids)
             table = seq.block_table
             input_ids += seq.token_ids[start:end]
+            if end > len(seq.token_ids):  # a verify entry: the drafts follow the last token
+                input_ids += seq.spec_token_ids
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(len(input_ids))
@@ -245,10 +263,24 @@ class ModelRunner:
             num_decodes=sum(1 for _, _, n in order if n == 1),
             context_lens_tensor=as_tensor(context_lens),
         )
-        sampled = [seq.seq_id for seq, skip, n in entries
-                   if seq.num_computed_tokens + skip + n == len(seq.token_ids)]
+        if not spec:
+            sampled = [seq.seq_id for seq, skip, n in entries
+                       if seq.num_computed_tokens + skip + n == len(seq.token_ids)]
+            return _Batch(
+                input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
+                sample_rows=[last_row[s] for s in sampled], sampled_seq_ids=sampled,
+                prompt_rows=prompt_rows,
+            )
+        sampled, sample_rows, num_rows = [], [], []
+        for seq, skip, n in entries:
+            num_drafts = seq.num_computed_tokens + skip + n - len(seq.token_ids)
+            if num_drafts >= 0:  # reaches its last token (and its drafts: rows for each)
+                sampled.append(seq.seq_id)
+                last = last_row[seq.seq_id]
+                sample_rows += range(last - num_drafts, last + 1)
+                num_rows.append(num_drafts + 1)
         return _Batch(
             input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
-            sample_rows=[last_row[s] for s in sampled], sampled_seq_ids=sampled,
-            prompt_rows=prompt_rows,
+            sample_rows=sample_rows, sampled_seq_ids=sampled, prompt_rows=prompt_rows,
+            num_rows=num_rows,
         )

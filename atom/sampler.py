@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.kernels import fused
+from atom.sampling_params import SamplingParams
 from atom.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -86,20 +87,27 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         for row, seq in enumerate(seqs):
-            params = seq.sampling_params
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-                logits[row, ids] += torch.tensor(list(params.logit_bias.values()))
-            if seq.num_output_tokens < params.min_tokens:
-                masked = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
-                if masked:
-                    logits[row, masked] = _NEG_INF
-            if params.needs_penalties:
-                apply_penalties(logits[row], seq.prompt_token_ids, seq.output_token_ids,
-                                presence_penalty=params.presence_penalty,
-                                frequency_penalty=params.frequency_penalty,
-                                repetition_penalty=params.repetition_penalty)
+            self.process_row(logits[row], seq.sampling_params, seq.prompt_token_ids,
+                             seq.output_token_ids)
         return logits
+
+    def process_row(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> None:
+        """Apply the logits processors to one position's float32 ``[vocab]`` logits in place:
+        logit_bias, the min_tokens mask, penalties, as if the sequence had ``output_ids``
+        (the speculative verifier passes each draft position's would-be outputs)."""
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            logits[ids] += torch.tensor(list(params.logit_bias.values()))
+        if len(output_ids) < params.min_tokens:
+            masked = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+            if masked:
+                logits[masked] = _NEG_INF
+        if params.needs_penalties:
+            apply_penalties(logits, prompt_ids, output_ids,
+                            presence_penalty=params.presence_penalty,
+                            frequency_penalty=params.frequency_penalty,
+                            repetition_penalty=params.repetition_penalty)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor
                 ) -> torch.Tensor:
@@ -111,11 +119,11 @@ class Sampler:
                 continue
             probs = filter_probs(logits[row] / params.temperature, top_k=params.top_k,
                                  top_p=params.top_p, min_p=params.min_p)
-            noise = torch.empty_like(probs).exponential_(generator=self._generator_for(seq, probs))
+            noise = torch.empty_like(probs).exponential_(generator=self.generator_for(seq, probs))
             token_ids[row] = (probs / noise).argmax()
         return token_ids
 
-    def _generator_for(self, seq: Sequence, probs: torch.Tensor) -> torch.Generator:
+    def generator_for(self, seq: Sequence, probs: torch.Tensor) -> torch.Generator:
         """The generator of ``seq``'s noise (``probs``: this draw's row).
 
         A seeded sequence's generator is made at its first draw and advanced by one draw per
@@ -136,9 +144,14 @@ class Sampler:
 
 def _needs_processing(seq: Sequence) -> bool:
     """Whether :meth:`Sampler._process` would change this sequence's logits."""
-    params = seq.sampling_params
+    return needs_processing(seq.sampling_params, seq.num_output_tokens)
+
+
+def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether :meth:`Sampler.process_row` would change the logits of a sequence with
+    ``num_output_tokens`` output tokens."""
     return bool(params.logit_bias) or params.needs_penalties or (
-        seq.num_output_tokens < params.min_tokens)
+        num_output_tokens < params.min_tokens)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:

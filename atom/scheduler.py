@@ -15,6 +15,17 @@ is a side-effect-free dry run of the same admission function: how many prefills 
 would start or continue and how many prompt tokens they would compute, which the prefill
 policies gather across ranks (lineage: SGLang #14201, ATOM #930; tokens after prefix-cache hits
 and within the token budget: ATOM #2196).
+
+Speculative decoding (``num_speculative_tokens = k > 0``): a decode also reserves slots for up to
+``k`` draft tokens after its last token (fewer near ``max_tokens`` / ``max_model_len``, or when the
+free blocks or the token budget run short: speculation never preempts anyone), so the verify
+forward scores them all at once. An in-scheduler proposer (n-gram) fills ``seq.spec_token_ids``
+right here and the reservation is its proposal's length; a model-based one fills them after
+scheduling (:meth:`Scheduler.set_spec_tokens`). ``postprocess`` appends the emitted tokens one by
+one with the stop checks (EOS, stop ids, ``min_tokens``, ``max_tokens``, ``max_model_len`` cut
+exactly, mid-run), counts as computed only the last token and the accepted drafts, and gives
+back the blocks that only rejected drafts used. Draft tokens are never in ``token_ids`` before
+they are accepted, so they never reach the prefix cache or the KV events.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from atom.block_manager import BlockManager, DryRunClaims
+from atom.proposer import Proposer
 from atom.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -41,6 +53,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0  # most draft tokens a decode verifies per step (0 = off)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -48,7 +61,9 @@ class SchedulerConfig:
         return cls(max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len,
-                   enable_chunked_prefill=config.enable_chunked_prefill)
+                   enable_chunked_prefill=config.enable_chunked_prefill,
+                   num_speculative_tokens=(config.num_speculative_tokens
+                                           if config.speculative_method else 0))
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,14 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     prefill_held: bool = False  # allow_prefill=False held prefill work that could have run
+    # speculative decoding: seq_id -> draft slots reserved after its last token this step (the
+    # drafts themselves are seq.spec_token_ids); empty without speculation
+    spec_budget: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens the verify forward scores this step (on top of num_batched_tokens)."""
+        return sum(self.spec_budget.values())
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,11 +130,17 @@ class Scheduler:
         config: budgets and limits.
         block_manager: the rank's KV block pool (the scheduler is its only caller).
         eos_token_ids: token ids that end a sequence unless ``ignore_eos``.
+        proposer: with ``num_speculative_tokens > 0``, a proposer that runs inside
+            :meth:`schedule` (``runs_in_scheduler``: n-gram); None = the drafts come from
+            outside after scheduling (:meth:`set_spec_tokens`).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), proposer: Proposer | None = None):
+        if proposer is not None and not proposer.runs_in_scheduler:
+            raise ValueError(f"{type(proposer).__name__} cannot run inside the scheduler")
         self.config = config
+        self.proposer = proposer
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -169,6 +198,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.error_message = error_message
+        seq.spec_token_ids = []
         if seq.block_table:
             self.block_manager.free(seq)
 
@@ -237,6 +267,10 @@ class Scheduler:
                 return AdmissionPreview(count, num_tokens)
             bm.claim_new_blocks(num_new_blocks, claims)
             token_budget -= 1
+            if self.config.num_speculative_tokens:  # the same reservation as schedule()
+                num_spec = len(self._spec_tokens(seq, token_budget, bm.num_unclaimed_free_blocks(claims)))
+                bm.claim_new_blocks(self._num_spec_blocks(seq, num_spec), claims)
+                token_budget -= num_spec
         prefilling = self._prefilling()
         num_seqs = len(self.running)
         for seq in self.waiting:
@@ -317,6 +351,8 @@ class Scheduler:
                 num_new = 1
                 if not self._reserve_decode_slot(seq, out):
                     continue  # seq left the running list (preempted or finished)
+                if self.config.num_speculative_tokens:  # drafts: budgeted, not in scheduled
+                    token_budget -= self._reserve_spec_slots(seq, out, token_budget - 1)
             out.scheduled.append((seq, num_new))
             token_budget -= num_new
             i += 1
@@ -342,6 +378,57 @@ class Scheduler:
                 return False
         self.block_manager.append_slots(seq)
         return True
+
+    def _spec_tokens(self, seq: Sequence, token_budget: int, num_free_blocks: int) -> list[int] | range:
+        """The drafts ``seq`` may verify this step: the in-scheduler proposer's tokens, or (for
+        a proposer that runs later) a range standing for the slots to reserve. At most ``k``,
+        and fewer when ``max_tokens`` or ``max_model_len`` is near (the verify emits up to one
+        token more than it has drafts), when ``token_budget`` is short, or when the slots would
+        need more than ``num_free_blocks`` new blocks (speculation never preempts)."""
+        params = seq.sampling_params
+        num = min(self.config.num_speculative_tokens, token_budget,
+                  self.config.max_model_len - len(seq.token_ids) - 1)
+        if params.max_tokens is not None:
+            num = min(num, params.max_tokens - seq.num_output_tokens - 1)
+        while num > 0 and self._num_spec_blocks(seq, num) > num_free_blocks:
+            num -= 1
+        if num <= 0:
+            return []
+        if self.proposer is None:
+            return range(num)
+        return self.proposer.propose([seq], [num])[0]
+
+    def _num_spec_blocks(self, seq: Sequence, num_spec: int) -> int:
+        """New blocks ``num_spec`` draft slots take beyond the decode's own slot."""
+        bm = self.block_manager
+        covered = max(len(seq.block_table), bm.num_required_blocks(len(seq.token_ids)))
+        return max(0, bm.num_required_blocks(len(seq.token_ids) + num_spec) - covered)
+
+    def _reserve_spec_slots(self, seq: Sequence, out: SchedulerOutput, token_budget: int) -> int:
+        """Reserve ``seq``'s draft slots (after its decode slot); returns how many."""
+        drafts = self._spec_tokens(seq, token_budget, self.block_manager.num_free_blocks)
+        if not drafts:
+            return 0
+        if self.proposer is not None:
+            seq.spec_token_ids = drafts
+        self.block_manager.append_slots(seq, len(seq.token_ids) + len(drafts))
+        out.spec_budget[seq.seq_id] = len(drafts)
+        return len(drafts)
+
+    def set_spec_tokens(self, out: SchedulerOutput, seqs: list[Sequence],
+                        drafts: list[list[int]]) -> None:
+        """Hand ``seqs`` their draft tokens (a model-based proposer's, after :meth:`schedule`);
+        each fits the slots reserved for it (``out.spec_budget``), which shrinks to the drafts'
+        length. Raises ValueError for more drafts than slots."""
+        for seq, tokens in zip(seqs, drafts):
+            budget = out.spec_budget.get(seq.seq_id, 0)
+            if len(tokens) > budget:
+                raise ValueError(f"seq {seq.seq_id}: {len(tokens)} drafts for {budget} reserved slots")
+            seq.spec_token_ids = list(tokens)
+            if tokens:
+                out.spec_budget[seq.seq_id] = len(tokens)
+            else:
+                out.spec_budget.pop(seq.seq_id, None)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -372,18 +459,26 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             token_budget -= num_new
 
-    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]]
+                    ) -> list[Sequence]:
         """Apply one step's results: advance counters, publish computed blocks, append tokens.
 
         Args:
             out: the batch returned by ``schedule()`` for this step.
-            sampled_token_ids: seq_id → sampled token for each sequence that reached its end.
+            sampled_token_ids: seq_id → sampled token for each sequence that reached its end;
+                for a sequence that verified drafts (``out.spec_budget``), the list of tokens
+                the verifier emitted (its accepted drafts, then one more).
         Returns:
-            The sequences that got a new token (finished ones included), in batch order.
+            The sequences that got new tokens (finished ones included), in batch order.
         """
         updated: list[Sequence] = []
+        spec = out.spec_budget
         for seq, num_new in out.scheduled:
             if seq.is_finished:  # finished from outside during the step
+                continue
+            if spec and seq.seq_id in spec:
+                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id])
+                updated.append(seq)
                 continue
             seq.num_computed_tokens += num_new
             self.block_manager.cache_computed_blocks(seq)
@@ -397,6 +492,29 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason, stop_reason=stop_reason)
         return updated
+
+    def _postprocess_spec(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append a verify step's emitted tokens up to the first that stops the sequence.
+
+        KV was written for the last token and every draft; only the last token and the
+        accepted drafts (``len(token_ids) - 1``) count as computed, and never past the
+        appended tokens (a stop cuts the run). Blocks past the kept tokens held only rejected
+        drafts and are freed.
+        """
+        num_before = len(seq.token_ids)
+        seq.spec_token_ids = []
+        reason = stop_reason = None
+        for token_id in token_ids:
+            seq.token_ids.append(token_id)
+            reason, stop_reason = self._stop_check(seq, token_id)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = min(num_before + len(token_ids) - 1, len(seq.token_ids) - 1)
+        self.block_manager.trim(seq, len(seq.token_ids))
+        self.block_manager.cache_computed_blocks(seq)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason, stop_reason=stop_reason)
 
     def _stop_check(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = seq.sampling_params

@@ -74,6 +74,10 @@ class Sequence:
     # per output token: {token_id: logprob} (only when sampling_params.logprobs is set)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # speculative decoding: draft tokens proposed for this step's verify forward (after the
+    # last token, positions len(token_ids) ...); never part of token_ids until accepted, so they
+    # never reach the prefix cache; set and cleared by the scheduler within one step
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

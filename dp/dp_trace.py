@@ -48,7 +48,8 @@ CONTROL_COLUMNS = ("has_work", "num_admittable", "num_prefill_tokens", "has_pend
                    "has_partial_prefill", "num_running_decodes", "oldest_waiting_age_ticks",
                    "kv_usage_ppm", "collective_count", "collective_hash")
 # this rank's row of the gathered batch shapes, as traced (with a step_ prefix)
-SHAPE_COLUMNS = ("num_tokens", "num_seqs", "num_prefill_tokens", "num_decode_seqs", "is_dummy")
+SHAPE_COLUMNS = ("num_tokens", "num_seqs", "num_prefill_tokens", "num_decode_seqs", "is_dummy",
+                 "num_spec_tokens")  # rows map to the header's columns: older files lack the last
 TRACE_COLUMNS = ("tick", "wave_id", "start_us", "sync_us", "step_us", *CONTROL_COLUMNS,
                  "allow", "reason", "num_consecutive_holds",
                  *(f"step_{c}" for c in SHAPE_COLUMNS), "tbo", "any_prefill", "mixed")

@@ -223,7 +223,9 @@ class BatchShape:
         tbo_eligible: this rank's batch could be split into two micro-batches.
         has_prefill: the batch computes prompt tokens (a prefill or a prefill chunk).
         num_prefill_tokens: tokens of the batch's prefills (prompt chunks, recomputation).
-        num_decode_seqs: sequences in the batch that decode (one token each).
+        num_decode_seqs: sequences in the batch that decode (one token each, plus drafts).
+        num_spec_tokens: speculative draft tokens the batch's verify scores (included in
+            ``num_tokens``: the forward runs them, and padded EP collectives size to them).
     """
 
     num_tokens: int
@@ -233,9 +235,11 @@ class BatchShape:
     has_prefill: bool = False
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    num_spec_tokens: int = 0
 
     def __post_init__(self):
-        if min(self.num_tokens, self.num_seqs, self.num_prefill_tokens, self.num_decode_seqs) < 0:
+        if min(self.num_tokens, self.num_seqs, self.num_prefill_tokens, self.num_decode_seqs,
+               self.num_spec_tokens) < 0:
             raise ValueError(f"token and sequence counts must be >= 0: {self}")
 
     def row(self) -> tuple[int, ...]:
@@ -273,6 +277,7 @@ class GatheredBatchShape:
     has_prefill: np.ndarray  # bool
     num_prefill_tokens: np.ndarray  # int64
     num_decode_seqs: np.ndarray  # int64
+    num_spec_tokens: np.ndarray  # int64, draft tokens verified per rank
 
     @classmethod
     def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredBatchShape:
@@ -304,6 +309,11 @@ class GatheredBatchShape:
 
     def all_dummy(self) -> bool:
         return bool(self.is_dummy.all())
+
+    @property
+    def any_spec(self) -> bool:
+        """Some rank verifies speculative drafts this step."""
+        return bool(self.num_spec_tokens.any())
 
     @property
     def any_prefill(self) -> bool:

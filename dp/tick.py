@@ -84,10 +84,11 @@ def batch_shape(sched: SchedulerOutput, *, tbo_eligible: bool) -> BatchShape:
             num_prefill_seqs += 1
             num_prefill_tokens += n
     num_seqs = len(sched.scheduled)
-    return BatchShape(num_tokens=num_tokens, num_seqs=num_seqs, is_dummy=num_seqs == 0,
-                      tbo_eligible=tbo_eligible, has_prefill=num_prefill_seqs > 0,
-                      num_prefill_tokens=num_prefill_tokens,
-                      num_decode_seqs=num_seqs - num_prefill_seqs)
+    num_spec_tokens = sched.num_spec_tokens if sched.spec_budget else 0
+    return BatchShape(num_tokens=num_tokens + num_spec_tokens, num_seqs=num_seqs,
+                      is_dummy=num_seqs == 0, tbo_eligible=tbo_eligible,
+                      has_prefill=num_prefill_seqs > 0, num_prefill_tokens=num_prefill_tokens,
+                      num_decode_seqs=num_seqs - num_prefill_seqs, num_spec_tokens=num_spec_tokens)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class StepCounters:
     num_prefill_steps: int = 0  # ... where some rank prefills
     num_mixed_prefill_steps: int = 0  # ... where some rank prefills and another does not
     num_tbo_steps: int = 0  # ... run as two micro-batches (every rank could split)
+    num_spec_steps: int = 0  # ... where some rank verified speculative drafts
     num_dummy_steps: int = 0  # this rank's dummy batches
     num_real_steps: int = 0  # this rank's real batches
     num_waves_completed: int = 0
@@ -112,6 +114,7 @@ class StepCounters:
         self.num_prefill_steps += shapes.any_prefill
         self.num_mixed_prefill_steps += shapes.mixed_prefill
         self.num_tbo_steps += tbo
+        self.num_spec_steps += shapes.any_spec
         self.num_dummy_steps += is_dummy
         self.num_real_steps += not is_dummy
         return tbo

@@ -244,14 +244,19 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_cache = cache
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+        *, num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: int64 ``[T]``. Returns the final-norm hidden states ``[T, hidden]``
-        in the run dtype. Writes the new tokens' K/V (non-padding slots) to every layer's cache."""
+        in the run dtype. Writes the new tokens' K/V (non-padding slots) to every layer's cache.
+
+        ``num_layers``: run only the first this many layers, then the final norm (the early-exit
+        draft of speculative decoding, :mod:`atom.draft_proposer`); None = all."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
-        for layer in self.layers:
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
             x = layer(x, cos, sin, attn_metadata)
         return self.norm(x)
 

@@ -13,7 +13,9 @@ Two sources:
   run of holds (with the delayer, also under the names that predate the other policies:
   ``atom:prefill_delayer_decisions``, ``atom:prefill_delayer_hold_rate``), and the DP router's
   load (unfinished requests it charged to the rank) and decisions per reason
-  (``atom.dp.router.REASONS``);
+  (``atom.dp.router.REASONS``); with speculative decoding, its draft, accepted and emitted
+  tokens, verifies, acceptance rate, tokens per forward and the accepted-length distribution
+  (``atom:spec_decode_accepted_length{num_accepted=...}``);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
   (batches applied, gaps detected / healed / unhealed, lost batches, decode failures); rank
   failures (``atom:rank_failures{kind="dead"|"hung"}``), recoveries (fresh groups started),
@@ -50,6 +52,10 @@ _ENGINE_GAUGES = (
      "Prefix-cache hits / queries (prompt tokens) since start (0-1)."),
     ("atom:dp_router_load", "dp_router_load",
      "Unfinished requests the DP router charged to the rank (waiting + running + on the wire)."),
+    ("atom:spec_decode_acceptance_rate", "spec_acceptance_rate",
+     "Speculative decoding: accepted / proposed draft tokens since start (0-1)."),
+    ("atom:spec_decode_mean_tokens_per_forward", "spec_mean_tokens_per_forward",
+     "Speculative decoding: tokens emitted per verify since start (1 .. k + 1)."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -70,6 +76,16 @@ _ENGINE_COUNTERS = (
     ("atom:dp_mixed_prefill_steps", "num_mixed_prefill_steps",
      "Group steps where some rank prefilled and another did not."),
     ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
+    ("atom:dp_spec_steps", "num_spec_steps", "Group steps where some rank verified drafts."),
+    # speculative decoding (engines with speculative_method only)
+    ("atom:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed and verified."),
+    ("atom:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
+    ("atom:spec_decode_num_emitted_tokens", "spec_num_emitted_tokens",
+     "Tokens emitted by verifies (accepted drafts plus the target's token, cut at stops)."),
+    ("atom:spec_decode_num_verifies", "spec_num_verifies",
+     "Sequences x steps that verified drafts."),
+    ("atom:spec_decode_num_verify_steps", "spec_num_verify_steps",
+     "Forward steps in which some sequence verified drafts."),
 )
 _ROUTER_PREFIX = "dp_router_decisions_"
 # (metric name, front-end stats key, help): the DP router's KV event subscriber
@@ -147,6 +163,7 @@ class _EngineCollector:
                 if key in s:  # KV events only when on, the dp_* ones only on DP ranks
                     family.add_metric(values, s[key])
             yield family
+        yield _spec_accepted_lengths(labels, rows)
         yield from self._policy_families(labels, rows)
         yield _per_reason("atom:dp_router_decisions",
                           "DP router decisions per reason, by destination rank (DP only).",
@@ -199,6 +216,19 @@ def _decision_families(prefix: str, labels: list[str], rows: list[tuple[list[str
             if f"prefill_policy_{name}" in s:
                 family.add_metric(values + extra_values, s[f"prefill_policy_{name}"])
         yield family
+
+
+def _spec_accepted_lengths(labels: list[str], rows) -> CounterMetricFamily:
+    """Speculative decoding's accepted-length distribution: verifies by drafts accepted."""
+    family = CounterMetricFamily("atom:spec_decode_accepted_length",
+                                 "Verifies that accepted exactly num_accepted draft tokens.",
+                                 labels=labels + ["num_accepted"])
+    prefix = "spec_accepted_length_"
+    for values, s in rows:
+        for key, count in s.items():
+            if key.startswith(prefix):
+                family.add_metric(values + [key.removeprefix(prefix)], count)
+    return family
 
 
 def _per_reason(name: str, doc: str, rows, prefix: str, reasons) -> CounterMetricFamily:
