@@ -20,6 +20,7 @@ from atom.rejection_sampler import RejectionSampler, rejection_sample, sample_fr
 from atom.sampler import Sampler
 from atom.sampling_params import SamplingParams
 from atom.sequence import Sequence
+from tests.spec_utils import chi_square_sf, wrong_rule
 
 V = 6
 NUM_TRIALS = 8000
@@ -33,21 +34,6 @@ def _dists(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     first = torch.softmax(torch.randn(V, generator=g), dim=0)
     table = torch.softmax(torch.randn(V, V, generator=g), dim=1)
     return first, table
-
-
-def wrong_rule(target_probs, draft_token_ids, generator, *, draft_probs=None):
-    """The negative control: accepts like the real rule but resamples from p on a rejection."""
-    out = []
-    for j, draft in enumerate(draft_token_ids):
-        p = target_probs(j)
-        q = 1.0 if draft_probs is None else float(draft_probs[j, draft])
-        if float(torch.rand((), generator=generator)) * q < float(p[draft]):
-            out.append(draft)
-            continue
-        out.append(sample_from(p, generator))
-        return out
-    out.append(sample_from(target_probs(len(draft_token_ids)), generator))
-    return out
 
 
 def generate_pairs(rule, *, sampled_proposer: bool) -> torch.Tensor:
@@ -82,9 +68,7 @@ def chi_square_p_value(counts: torch.Tensor) -> float:
     first, table = _dists(0)
     expected = (first[:, None] * table) * counts.sum()
     statistic = float(((counts - expected) ** 2 / expected).sum())
-    df = counts.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return chi_square_sf(statistic, counts.numel() - 1)
 
 
 @pytest.mark.parametrize("sampled_proposer", [False, True], ids=["point-mass", "sampled-q"])
