@@ -102,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="E > 0: the embedded model with every MLP split into E experts (model "
                         "(a) of docs/ARCHITECTURE.md), experts sharded over the ranks (expert parallelism), and "
                         "every configuration run with TBO off and on")
+    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                   help="run every configuration with speculative decoding (its verify steps "
+                        "are counted as spec steps); default off")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="k with speculation")
+    p.add_argument("--draft-num-layers", type=int, default=24, help="early-exit draft layers")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed (same seed, same prompts)")
     p.add_argument("--trace-dir", default="results/dp_trace",
                    help="each configuration's trace, Perfetto JSON and PNG go in a folder here")
@@ -117,6 +122,11 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict]]:
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_model_len=1024, enable_prefix_caching=False,
                 prefill_delayer_max_delay_passes=args.max_delay_passes)
+    if args.speculative_method is not None:
+        base.update(speculative_method=args.speculative_method,
+                    num_speculative_tokens=args.num_speculative_tokens)
+        if args.speculative_method == "draft":
+            base.update(draft_num_layers=args.draft_num_layers)
     policies = [(f"{policy}, interval {n}", dict(prefill_policy=policy, prefill_decode_interval=n))
                 for policy in args.prefill_policy for n in args.prefill_decode_interval]
     if not args.moe_split_experts:

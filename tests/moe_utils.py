@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
+from atom import LLM, SamplingParams
 from tests.utils import GreedyResult
 
 LOGPROB_TOLERANCE = 1e-3  # |ours - transformers| for the logprob of each agreed greedy token
+# model (a) on two ranks: engine options, greedy parameters and prompts of the EP tests
+OPTIONS = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, num_threads=1)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, [100 + i for i in range(7)],
+           [400 + 3 * i for i in range(50)], [9000 + i for i in range(20)]]
+
+
+def idle_rank_stats(llm: LLM) -> list[dict]:
+    """Every rank's stats once all ranks are idle at the same tick (their counters final)."""
+    deadline = time.monotonic() + 60.0  # liveness only
+    while True:
+        stats = llm.get_rank_stats()
+        if all(s["idle"] for s in stats) and len({s["tick"] for s in stats}) == 1:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
 
 
 def build_tiny_mixtral(folder):

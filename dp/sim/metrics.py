@@ -39,6 +39,7 @@ def step_metrics(counters: dict, *, num_ranks: int, policy_stats: dict) -> dict:
         "num_prefill_steps": counters["num_prefill_steps"],
         "num_mixed_prefill_steps": counters["num_mixed_prefill_steps"],
         "num_tbo_steps": counters["num_tbo_steps"],
+        "num_spec_steps": counters.get("num_spec_steps", 0),  # steps verifying drafts
         "num_dummy_steps": counters["num_dummy_steps"],
         "mixed_step_fraction": counters["num_mixed_prefill_steps"] / max(1, num_steps),
         "prefill_step_fraction": counters["num_prefill_steps"] / max(1, num_steps),
@@ -136,6 +137,7 @@ def format_table(results: list[dict]) -> str:
     rows = [("configuration", [r["name"] for r in results]),
             ("output tok/s", [f"{r['output_tokens_per_s']:.1f}" for r in results]),
             ("forward steps (TBO)", [f"{r['num_steps']} ({r['num_tbo_steps']})" for r in results]),
+            ("spec (verify) steps", [f"{r.get('num_spec_steps', 0)}" for r in results]),
             ("prefill / mixed steps", [f"{r['num_prefill_steps']} / {r['num_mixed_prefill_steps']}"
                                        for r in results]),
             ("mixed-step fraction", [f"{r['mixed_step_fraction']:.3f}" for r in results]),

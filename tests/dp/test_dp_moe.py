@@ -10,29 +10,12 @@ without two-batch overlap, after an uneven workload too, with equal collective h
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from atom import LLM, SamplingParams
-from tests.moe_utils import assert_logprobs_close, build_tiny_mixtral, tiny_prompts
+from atom import LLM
+from tests.moe_utils import (OPTIONS, PARAMS, PROMPTS, assert_logprobs_close, build_tiny_mixtral,
+                             idle_rank_stats, tiny_prompts)
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
-
-
-OPTIONS = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, num_threads=1)
-PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, [100 + i for i in range(7)],
-           [400 + 3 * i for i in range(50)], [9000 + i for i in range(20)]]
-
-
-def _idle_stats(llm: LLM) -> list[dict]:
-    deadline = time.monotonic() + 60.0  # liveness only
-    while True:
-        stats = llm.get_rank_stats()
-        if all(s["idle"] for s in stats) and len({s["tick"] for s in stats}) == 1:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +29,13 @@ def test_split_experts_on_two_ranks_equal_the_dense_model(dense_reference):
              enable_expert_parallel=True) as llm:
         pinned = ours_greedy(llm.generate(PROMPTS, PARAMS, data_parallel_rank=0))
         check_greedy_close(pinned, dense_reference, name="model (a), EP, rank 1 idle")
-        stats = _idle_stats(llm)
+        stats = idle_rank_stats(llm)
         assert stats[1]["num_dummy_steps"] == stats[1]["num_steps"] > 0  # never had work
         assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
         assert stats[0]["collective_count"] == stats[1]["collective_count"]
         spread = ours_greedy(llm.generate(PROMPTS, PARAMS))
         check_greedy_close(spread, dense_reference, name="model (a), EP, both ranks")
-        stats = _idle_stats(llm)
+        stats = idle_rank_stats(llm)
         assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
 
 
@@ -67,7 +50,7 @@ def test_tiny_mixtral_experts_over_two_ranks_match_transformers(tmp_path, enable
         # uneven first (everything on rank 0, rank 1 in dummy batches), then spread
         pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
         spread = ours_greedy(llm.generate(requests, PARAMS))
-        stats = _idle_stats(llm)
+        stats = idle_rank_stats(llm)
     for name, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
         check_greedy_close(ours, reference, name=f"tiny mixtral, EP, {name}, tbo={enable_tbo}")
         assert_logprobs_close(ours, reference)

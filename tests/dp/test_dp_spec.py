@@ -10,27 +10,11 @@ collective hashes agree, spec steps are counted for the group.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from atom import LLM, SamplingParams
+from atom import LLM
+from tests.moe_utils import OPTIONS, PARAMS, PROMPTS, idle_rank_stats
 from tests.utils import check_greedy_close, ours_greedy
-
-OPTIONS = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, num_threads=1)
-PARAMS = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, [100 + i for i in range(7)],
-           [400 + 3 * i for i in range(50)], [9000 + i for i in range(20)]]
-
-
-def _idle_stats(llm: LLM) -> list[dict]:
-    deadline = time.monotonic() + 60.0  # liveness only
-    while True:
-        stats = llm.get_rank_stats()
-        if all(s["idle"] for s in stats) and len({s["tick"] for s in stats}) == 1:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +28,7 @@ def test_ngram_speculation_on_two_ep_ranks_with_an_idle_rank(dense_reference):
              speculative_method="ngram", num_speculative_tokens=3) as llm:
         pinned = ours_greedy(llm.generate(PROMPTS, PARAMS, data_parallel_rank=0))
         check_greedy_close(pinned, dense_reference, name="spec ngram, EP, rank 1 idle")
-        stats = _idle_stats(llm)
+        stats = idle_rank_stats(llm)
         assert stats[1]["num_dummy_steps"] == stats[1]["num_steps"] > 0
         assert stats[0]["spec_num_accepted_tokens"] > 0 and stats[1]["spec_num_verifies"] == 0
         assert stats[0]["num_spec_steps"] == stats[1]["num_spec_steps"] == stats[0]["spec_num_verify_steps"]
@@ -52,7 +36,7 @@ def test_ngram_speculation_on_two_ep_ranks_with_an_idle_rank(dense_reference):
         assert stats[0]["collective_count"] == stats[1]["collective_count"]
         spread = ours_greedy(llm.generate(PROMPTS, PARAMS))
         check_greedy_close(spread, dense_reference, name="spec ngram, EP, both ranks")
-        stats = _idle_stats(llm)
+        stats = idle_rank_stats(llm)
         assert stats[1]["spec_num_verifies"] > 0
         assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
         for s in stats:
