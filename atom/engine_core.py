@@ -396,8 +396,9 @@ class EngineCore:
     def get_stats(self) -> dict[str, int | float]:
         """Counters of the KV pool, queues, prefix cache (in tokens; ``prefix_cache_hit_rate``
         = hits / queries, 0 before any query), outside finishes (``num_aborted_seqs``: client
-        aborts; ``num_front_end_finished_seqs``: stop strings) and, when publishing, KV event
-        batches (``kv_events_published_batches``, ``kv_events_dropped_batches``)."""
+        aborts; ``num_front_end_finished_seqs``: stop strings), with speculative decoding the
+        ``spec_*`` entries of :meth:`atom.spec_stats.SpecStats.as_stats` and, when publishing,
+        KV event batches (``kv_events_published_batches``, ``kv_events_dropped_batches``)."""
         bm = self.block_manager
         stats: dict[str, int | float] = {
             "num_free_blocks": bm.num_free_blocks,

@@ -212,3 +212,19 @@ def test_ngram_proposer(tokens, expected):
 def test_ngram_proposer_rejects_bad_lengths():
     with pytest.raises(ValueError):
         NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"speculative_method": "medusa"}, "not supported"),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"speculative_method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
+    ({"speculative_method": "draft"}, "draft_num_layers"),
+    ({"speculative_method": "draft", "draft_model": "x.gguf", "draft_num_layers": 2}, "not supported yet"),
+    ({"speculative_method": "draft", "draft_num_layers": 2, "enable_expert_parallel": True,
+      "moe_split_experts": 2}, "expert parallelism"),
+])
+def test_speculative_options_are_checked(options, match):
+    from atom.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)

@@ -55,10 +55,15 @@ class SimRank:
         dp_rank: this rank.
         num_kv_blocks: its KV pool (``config.resolved_num_kv_blocks`` of the model).
         max_model_len: ``config.resolved_max_model_len`` of the model.
+    Raises:
+        ValueError: ``config`` turns speculative decoding on (not simulated).
     """
 
     def __init__(self, config: EngineConfig, *, dp_rank: int, num_kv_blocks: int,
                  max_model_len: int):
+        if config.speculative_method is not None:
+            raise ValueError("the simulator has no model to verify drafts with: run it without "
+                             "speculative_method")
         self.dp_rank = dp_rank
         self.enable_tbo = config.enable_tbo
         self.block_manager = BlockManager(num_kv_blocks, config.block_size,
