@@ -52,3 +52,21 @@ def test_delayer_keeps_its_metric_names():
 def test_single_rank_has_no_policy_series():
     out = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8}])
     assert "atom:prefill_policy_decisions_total" not in out
+
+
+def test_speculative_decoding_stats_are_exported():
+    from atom.spec_stats import SpecStats
+
+    spec = SpecStats(3)
+    spec.num_verify_steps = 2
+    spec.record(num_drafts=3, num_accepted=3, num_emitted=4)
+    spec.record(num_drafts=2, num_accepted=0, num_emitted=1)
+    out = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8, **spec.as_stats()}])
+    accepted = {labels["num_accepted"]: v for labels, v in out["atom:spec_decode_accepted_length_total"]}
+    assert accepted == {"0": 1.0, "1": 0.0, "2": 0.0, "3": 1.0}
+    assert out["atom:spec_decode_num_draft_tokens_total"][0][1] == 5
+    assert out["atom:spec_decode_num_accepted_tokens_total"][0][1] == 3
+    assert out["atom:spec_decode_acceptance_rate"][0][1] == 0.6
+    assert out["atom:spec_decode_mean_tokens_per_forward"][0][1] == 2.5
+    no_spec = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8}])
+    assert "atom:spec_decode_accepted_length_total" not in no_spec
