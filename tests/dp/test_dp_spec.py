@@ -5,7 +5,8 @@ and the n-gram proposer: greedy outputs equal the dense non-speculative model on
 with every request pinned to rank 0 (rank 1 runs dummy batches through every MoE collective
 while rank 0's verify forwards carry k + 1 tokens per sequence: the batch shape's token count
 includes the drafts, and the padded collectives size to it), then spread over both ranks; the
-collective hashes agree, spec steps are counted for the group.
+collective hashes agree, spec steps are counted for the group and the per-tick trace carries
+each rank's draft tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from atom import LLM
+from atom.dp.dp_trace import read_trace
 from tests.moe_utils import OPTIONS, PARAMS, PROMPTS, idle_rank_stats
 from tests.utils import check_greedy_close, ours_greedy
 
@@ -23,9 +25,9 @@ def dense_reference():
         return ours_greedy(llm.generate(PROMPTS, PARAMS))
 
 
-def test_ngram_speculation_on_two_ep_ranks_with_an_idle_rank(dense_reference):
+def test_ngram_speculation_on_two_ep_ranks_with_an_idle_rank(dense_reference, tmp_path):
     with LLM(**OPTIONS, moe_split_experts=4, data_parallel_size=2, enable_expert_parallel=True,
-             speculative_method="ngram", num_speculative_tokens=3) as llm:
+             speculative_method="ngram", num_speculative_tokens=3, dp_trace=str(tmp_path)) as llm:
         pinned = ours_greedy(llm.generate(PROMPTS, PARAMS, data_parallel_rank=0))
         check_greedy_close(pinned, dense_reference, name="spec ngram, EP, rank 1 idle")
         stats = idle_rank_stats(llm)
@@ -41,3 +43,6 @@ def test_ngram_speculation_on_two_ep_ranks_with_an_idle_rank(dense_reference):
         assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
         for s in stats:
             assert s["num_free_blocks"] == s["num_total_blocks"]
+    rank0, rank1 = (t.rows for t in read_trace(tmp_path))  # the trace counts the drafts per rank
+    assert sum(row["step_num_spec_tokens"] for row in rank0) == stats[0]["spec_num_draft_tokens"]
+    assert sum(row["step_num_spec_tokens"] for row in rank1) == stats[1]["spec_num_draft_tokens"]
