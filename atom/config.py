@@ -239,10 +239,6 @@ class EngineConfig:
             if self.draft_num_layers is None or self.draft_num_layers < 1:
                 raise ValueError(f"speculative_method='draft' needs draft_num_layers >= 1 (got "
                                  f"{self.draft_num_layers}): the early-exit draft's layer count")
-            if self.enable_expert_parallel:
-                raise ValueError("speculative_method='draft' with expert parallelism is not "
-                                 "supported yet (the draft forwards would need their own "
-                                 "lockstep); use speculative_method='ngram'")
 
     def _check_prefill_policy(self) -> None:
         """The prefill policy settings (``__post_init__``). Raises ValueError."""

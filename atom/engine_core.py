@@ -253,17 +253,28 @@ class EngineCore:
         loop splits only when every rank's answer is yes)."""
         return self.config.enable_tbo and not sched.spec_budget and can_split(sched.scheduled)
 
-    def schedule(self, *, allow_prefill: bool = True) -> SchedulerOutput:
+    def schedule(self, *, allow_prefill: bool = True, defer_drafts: bool = False) -> SchedulerOutput:
         """The first half of :meth:`step`: pick this tick's batch (``allow_prefill=False`` holds
         every prefill: the cross-rank decision of the tick). The DP loop exchanges the batch
         shape between :meth:`schedule` and :meth:`execute`. With the early-exit draft, its
-        forwards run here and fill the reserved draft slots."""
+        forwards run here and fill the reserved draft slots, unless ``defer_drafts`` (the DP
+        loop: every rank must run the same number of draft forwards, agreed in the exchange,
+        then :meth:`run_drafts`)."""
         sched = self.scheduler.schedule(allow_prefill=allow_prefill)
-        if self.draft_proposer is not None and sched.spec_budget:
-            seqs = [seq for seq, _ in sched.scheduled if seq.seq_id in sched.spec_budget]
-            drafts = self.draft_proposer.propose(seqs, [sched.spec_budget[s.seq_id] for s in seqs])
-            self.scheduler.set_spec_tokens(sched, seqs, drafts)
+        if self.draft_proposer is not None and sched.spec_budget and not defer_drafts:
+            self.run_drafts(sched)
         return sched
+
+    def run_drafts(self, sched: SchedulerOutput, *, num_steps: int | None = None) -> None:
+        """Fill ``sched``'s reserved draft slots with the early-exit draft (a no-op without one).
+        ``num_steps``: draft forwards to run, the extra ones on zero tokens (the DP loop passes
+        the largest over the ranks, so every rank issues the same MoE collectives)."""
+        if self.draft_proposer is None:
+            return
+        seqs = [seq for seq, _ in sched.scheduled if seq.seq_id in sched.spec_budget]
+        drafts = self.draft_proposer.propose(seqs, [sched.spec_budget[s.seq_id] for s in seqs],
+                                             num_steps=num_steps)
+        self.scheduler.set_spec_tokens(sched, seqs, drafts)
 
     def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                 ) -> list[SeqOutput]:

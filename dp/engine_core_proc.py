@@ -298,7 +298,7 @@ class DPEngineCoreProc(EngineCoreProc):
         if self.tick % LOCKSTEP_CHECK_EVERY == 0:
             check_lockstep(log, self.groups.control)
         decision = self.prefill.decide(gathered, self._last_shapes)
-        sched = core.schedule(allow_prefill=decision.allow)
+        sched = core.schedule(allow_prefill=decision.allow, defer_drafts=True)
         shapes = self._last_shapes = self._step(sched)  # the next tick's previous_shapes
         if self.trace is not None:
             from atom.dp.dp_trace import tick_row
@@ -343,6 +343,10 @@ class DPEngineCoreProc(EngineCoreProc):
         core = self.core
         shapes = exchange_batch_shape(batch_shape(sched, tbo_eligible=core.tbo_eligible(sched)),
                                       self.groups.device)
+        if shapes.max_num_draft_steps:  # the early-exit draft's forwards, the same on every rank
+            if self.expert_parallel is not None:
+                self.expert_parallel.begin_step(shapes.max_num_draft_seqs)
+            core.run_drafts(sched, num_steps=shapes.max_num_draft_steps)
         if self.expert_parallel is not None:
             self.expert_parallel.begin_step(shapes.max_num_tokens)
         tbo = self.counters.count_step(shapes, is_dummy=sched.is_empty)

@@ -226,6 +226,10 @@ class BatchShape:
         num_decode_seqs: sequences in the batch that decode (one token each, plus drafts).
         num_spec_tokens: speculative draft tokens the batch's verify scores (included in
             ``num_tokens``: the forward runs them, and padded EP collectives size to them).
+        num_draft_seqs: sequences a model-based proposer still drafts for after the exchange
+            (one token each per draft forward).
+        num_draft_steps: draft forwards this rank needs (its longest reservation); every rank
+            runs the largest over the ranks, on zero tokens when it has none.
     """
 
     num_tokens: int
@@ -236,10 +240,12 @@ class BatchShape:
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
     num_spec_tokens: int = 0
+    num_draft_seqs: int = 0
+    num_draft_steps: int = 0
 
     def __post_init__(self):
         if min(self.num_tokens, self.num_seqs, self.num_prefill_tokens, self.num_decode_seqs,
-               self.num_spec_tokens) < 0:
+               self.num_spec_tokens, self.num_draft_seqs, self.num_draft_steps) < 0:
             raise ValueError(f"token and sequence counts must be >= 0: {self}")
 
     def row(self) -> tuple[int, ...]:
@@ -278,6 +284,8 @@ class GatheredBatchShape:
     num_prefill_tokens: np.ndarray  # int64
     num_decode_seqs: np.ndarray  # int64
     num_spec_tokens: np.ndarray  # int64, draft tokens verified per rank
+    num_draft_seqs: np.ndarray  # int64, sequences drafted for after the exchange
+    num_draft_steps: np.ndarray  # int64, draft forwards each rank needs
 
     @classmethod
     def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredBatchShape:
@@ -309,6 +317,16 @@ class GatheredBatchShape:
 
     def all_dummy(self) -> bool:
         return bool(self.is_dummy.all())
+
+    @property
+    def max_num_draft_steps(self) -> int:
+        """Draft forwards every rank runs this step (the largest need over the ranks)."""
+        return int(self.num_draft_steps.max())
+
+    @property
+    def max_num_draft_seqs(self) -> int:
+        """The largest draft forward (tokens: one per drafted sequence) over the ranks."""
+        return int(self.num_draft_seqs.max())
 
     @property
     def any_spec(self) -> bool:

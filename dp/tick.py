@@ -84,11 +84,18 @@ def batch_shape(sched: SchedulerOutput, *, tbo_eligible: bool) -> BatchShape:
             num_prefill_seqs += 1
             num_prefill_tokens += n
     num_seqs = len(sched.scheduled)
-    num_spec_tokens = sched.num_spec_tokens if sched.spec_budget else 0
+    num_spec_tokens = num_draft_seqs = num_draft_steps = 0
+    if sched.spec_budget:
+        num_spec_tokens = sched.num_spec_tokens
+        # reservations a model-based proposer fills after the exchange (EngineCore.run_drafts)
+        pending = [sched.spec_budget[seq.seq_id] for seq, _ in sched.scheduled
+                   if seq.seq_id in sched.spec_budget and not seq.spec_token_ids]
+        num_draft_seqs, num_draft_steps = len(pending), max(pending, default=0)
     return BatchShape(num_tokens=num_tokens + num_spec_tokens, num_seqs=num_seqs,
                       is_dummy=num_seqs == 0, tbo_eligible=tbo_eligible,
                       has_prefill=num_prefill_seqs > 0, num_prefill_tokens=num_prefill_tokens,
-                      num_decode_seqs=num_seqs - num_prefill_seqs, num_spec_tokens=num_spec_tokens)
+                      num_decode_seqs=num_seqs - num_prefill_seqs, num_spec_tokens=num_spec_tokens,
+                      num_draft_seqs=num_draft_seqs, num_draft_steps=num_draft_steps)
 
 
 @dataclass

@@ -220,8 +220,6 @@ def test_ngram_proposer_rejects_bad_lengths():
     ({"speculative_method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"speculative_method": "draft"}, "draft_num_layers"),
     ({"speculative_method": "draft", "draft_model": "x.gguf", "draft_num_layers": 2}, "not supported yet"),
-    ({"speculative_method": "draft", "draft_num_layers": 2, "enable_expert_parallel": True,
-      "moe_split_experts": 2}, "expert parallelism"),
 ])
 def test_speculative_options_are_checked(options, match):
     from atom.config import EngineConfig
