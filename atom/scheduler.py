@@ -15,6 +15,12 @@ is a side-effect-free dry run of the same admission function: how many prefills 
 would start or continue and how many prompt tokens they would compute, which the prefill
 policies gather across ranks (lineage: SGLang #14201, ATOM #930; tokens after prefix-cache hits
 and within the token budget: ATOM #2196).
+
+P/D disaggregation (:mod:`atom.kv_connector`): a consumer sequence is admitted with its blocks
+into ``waiting_for_remote_kvs`` (status ``WAITING_FOR_REMOTE_KVS``) instead of being prefilled,
+and joins the running batch when its pull is done; a producer's finished prefill may keep its
+blocks (``kv_kept``) until the consumer has them. Only sequences with ``kv_transfer_params``
+take these paths.
 """
 
 from __future__ import annotations
