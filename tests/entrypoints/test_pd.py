@@ -80,6 +80,7 @@ PROMPTS = [
     "Tell me a story about a dragon who learns to cook. " * 12,  # ~150 tokens: 3 chunks
     "Tell me a story about a dragon who learns to cook. " * 12 + "Start now.",  # prefix hit
     "Explain photosynthesis to a child in simple words.",
+    "What is two plus two?",  # EOS first: no KV kept, the proxy sends it on as a plain request
 ]
 
 
@@ -94,18 +95,20 @@ def complete(client: openai.OpenAI, prompt: str, *, stream: bool) -> str:
 def test_pd_completions_equal_the_colocated_engine(pd):
     producer, consumer, proxy = pd
     reference = [complete(producer.client(), p, stream=False) for p in PROMPTS]
-    assert all(reference)
+    assert all(reference[:-1]) and reference[-1] == ""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # one mixed batch at a time
         for stream in (False, True):
             got = list(pool.map(lambda p: complete(proxy.client(), p, stream=stream), PROMPTS))
             assert got == reference, f"stream={stream}"
-    assert consumer.metric("atom:kv_transfers_total") >= len(PROMPTS)
+    assert consumer.metric("atom:kv_transfers_total") >= len(PROMPTS) - 1
     assert consumer.metric("atom:kv_transfer_bytes_total") > 0
     assert producer.metric("atom:prefix_cache_hits_total") > 0
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
                 temperature=0.0)
     assert (proxy.client().chat.completions.create(**chat).choices[0].message.content
             == producer.client().chat.completions.create(**chat).choices[0].message.content)
+    resp = httpx.post(proxy.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+    assert resp.status_code == 400 and "n > 1" in resp.json()["error"]["message"]
     wait_kv_free(producer)
     wait_kv_free(consumer)
     assert producer.metric("atom:kv_transfer_timeouts_total") == 0
