@@ -182,14 +182,25 @@ def test_client_disconnect_mid_transfer_frees_both_sides(pd):
     assert producer.metric("atom:kv_transfer_timeouts_total") == before
 
 
-def test_producer_killed_fails_the_request_and_the_consumer_stays_healthy(pd):
+def test_producer_killed_mid_transfer_fails_the_request_and_the_consumer_stays_healthy(pd):
+    """The producer is frozen while the consumer's pull is in flight, then killed: the request
+    fails with an error (the pull timeout), the consumer frees its blocks and serves on."""
     producer, consumer, _ = pd
     prompt = "The capital of Italy is"
     params = prefill(producer, prompt)
-    for p in engine_processes(producer):
-        p.kill()
+    procs = engine_processes(producer)
+    for p in procs:
+        p.suspend()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(consumer.post, "/v1/completions", json=decode_body(prompt, params))
+        deadline = time.monotonic() + 10
+        while consumer.metric("atom:num_requests_waiting_for_remote_kvs") != 1:
+            assert time.monotonic() < deadline, "the pull never started"
+            time.sleep(0.1)  # polling a gauge
+        for p in procs:
+            p.kill()
+        resp = pending.result()
     producer.proc.wait(30)
-    resp = consumer.post("/v1/completions", json=decode_body(prompt, params))
     assert resp.status_code == 400
     assert "no reply from the producer" in resp.json()["error"]["message"]
     wait_kv_free(consumer)
