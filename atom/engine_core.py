@@ -33,6 +33,13 @@ output tokens so far: its sequences start as if preempted by recompute, a seeded
 generator is advanced past the tokens already drawn (:class:`~atom.sampler.Sampler`), and
 choices that had finished are not run again.
 
+P/D disaggregation: with ``kv_role`` set, the core owns the worker side of the KV connector
+(:class:`atom.kv_transfer.TCPKVConnector`) and gives the scheduler its scheduler side
+(:mod:`atom.kv_connector`). It applies the worker's output at the start of :meth:`schedule`
+(a consumer's loaded sequence reports the producer's first token then) and hands it the
+scheduler side's metadata at the end of :meth:`schedule`, :meth:`execute` and
+:meth:`abort_requests`; a finished producer prefill's output carries ``kv_transfer_params``.
+
 Sequences finished from outside (:meth:`EngineCore.abort_requests`,
 :meth:`EngineCore.finish_requests`) report nothing: the front end ended them and already knows.
 """
