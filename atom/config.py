@@ -21,6 +21,7 @@ DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
 PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
 PREFILL_POLICIES = ("delayer", "coalescer", "none")
 ON_RANK_FAILURE = ("shrink", "replace", "stop")
+KV_ROLES = ("producer", "consumer")
 MIN_ENGINE_HANG_TIMEOUT_S = 2.0  # heartbeats come every timeout / 5 s, at most 1 s apart
 # options that were replaced: the old name fails with a message that says what to use
 _REPLACED_OPTIONS = {
@@ -161,6 +162,22 @@ class EngineConfig:
     """Split every dense MLP into this many experts along the intermediate dimension, each
     token routed to all of them with gate 1 (the dense model's function, as an MoE: the checkable model
     (a) of docs/ARCHITECTURE.md, "Models")."""
+    kv_role: str | None = None
+    """Prefill/decode disaggregation (atom.kv_connector): producer (prefills requests that carry
+    kv_transfer_params and keeps their KV blocks until a consumer pulls them) or consumer
+    (pulls a producer's KV instead of prefilling, then decodes); None = off. Requests without
+    kv_transfer_params run as usual on either role."""
+    kv_transfer_host: str = "127.0.0.1"
+    """Producer: the address its KV transfer socket binds and that it tells consumers."""
+    kv_transfer_port: int = 0
+    """Producer: TCP port of its KV transfer socket (0 = OS-chosen; the bound port travels in
+    the kv_transfer_params of each response)."""
+    kv_transfer_keep_timeout_s: float = 60.0
+    """Producer: seconds a finished prefill's KV blocks are kept for a consumer that never
+    pulls or confirms them (it died, or the client left), then freed."""
+    kv_transfer_timeout_s: float = 30.0
+    """Consumer: seconds a pull may wait for the producer's reply before the request fails
+    (the producer died or is unreachable)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -194,6 +211,21 @@ class EngineConfig:
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         self._check_prefill_policy()
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """The P/D settings (``__post_init__``). Raises ValueError."""
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role={self.kv_role!r} is not supported: use one of {KV_ROLES} "
+                             f"or leave it unset")
+        if self.kv_role is not None and self.data_parallel_size > 1:
+            raise ValueError("kv_role with data_parallel_size > 1 is not supported yet: run one "
+                             "rank per P/D instance (several instances behind atom pd-proxy)")
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be in [0, 65535]")
+        for name in ("kv_transfer_keep_timeout_s", "kv_transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 (seconds)")
 
     def _check_prefill_policy(self) -> None:
         """The prefill policy settings (``__post_init__``). Raises ValueError."""

@@ -17,12 +17,15 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from atom.messages import KVTransferParams
 from atom.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # P/D consumer: blocks allocated, the prompt's KV being pulled from a producer (atom.kv_connector)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 
 
@@ -74,6 +77,9 @@ class Sequence:
     # per output token: {token_id: logprob} (only when sampling_params.logprobs is set)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # P/D only (atom.kv_connector): the request's params; on a producer, replaced at the finish
+    # by the params a consumer needs
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -50,6 +50,11 @@ _ENGINE_GAUGES = (
      "Prefix-cache hits / queries (prompt tokens) since start (0-1)."),
     ("atom:dp_router_load", "dp_router_load",
      "Unfinished requests the DP router charged to the rank (waiting + running + on the wire)."),
+    # P/D (--kv-role; atom.kv_transfer)
+    ("atom:kv_transfer_kept_blocks", "kv_kept_blocks",
+     "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
+    ("atom:num_requests_waiting_for_remote_kvs", "num_waiting_for_remote_kvs",
+     "Consumer: sequences whose prompt KV is being pulled from a producer."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -70,6 +75,16 @@ _ENGINE_COUNTERS = (
     ("atom:dp_mixed_prefill_steps", "num_mixed_prefill_steps",
      "Group steps where some rank prefilled and another did not."),
     ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
+    # P/D (--kv-role; atom.kv_transfer)
+    ("atom:kv_transfers", "kv_transfers",
+     "KV transfers completed (consumer: pulls received; producer: pulls confirmed)."),
+    ("atom:kv_transfer_bytes", "kv_transfer_bytes", "KV bytes received (consumer) or sent (producer)."),
+    ("atom:kv_transfer_seconds", "kv_transfer_seconds",
+     "Consumer: seconds from a pull's start to its last byte, summed."),
+    ("atom:kv_transfer_failures", "kv_transfer_failures",
+     "Consumer: pulls that failed (layout mismatch, producer gone, bad checksum)."),
+    ("atom:kv_transfer_timeouts", "kv_transfer_timeouts",
+     "Producer: kept requests freed on the keep timeout; consumer: pulls the producer never answered."),
 )
 _ROUTER_PREFIX = "dp_router_decisions_"
 # (metric name, front-end stats key, help): the DP router's KV event subscriber
