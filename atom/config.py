@@ -22,6 +22,7 @@ PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
 PREFILL_POLICIES = ("delayer", "coalescer", "none")
 ON_RANK_FAILURE = ("shrink", "replace", "stop")
 SPECULATIVE_METHODS = ("ngram", "draft")
+KV_ROLES = ("producer", "consumer")
 MIN_ENGINE_HANG_TIMEOUT_S = 2.0  # heartbeats come every timeout / 5 s, at most 1 s apart
 # options that were replaced: the old name fails with a message that says what to use
 _REPLACED_OPTIONS = {
@@ -183,6 +184,22 @@ class EngineConfig:
     spec_log_every_steps: int = 100
     """Speculative decoding: log the acceptance statistics every this many verify steps
     (0 = never)."""
+    kv_role: str | None = None
+    """Prefill/decode disaggregation (atom.kv_connector): producer (prefills requests that carry
+    kv_transfer_params and keeps their KV blocks until a consumer pulls them) or consumer
+    (pulls a producer's KV instead of prefilling, then decodes); None = off. Requests without
+    kv_transfer_params run as usual on either role."""
+    kv_transfer_host: str = "127.0.0.1"
+    """Producer: the address its KV transfer socket binds and that it tells consumers."""
+    kv_transfer_port: int = 0
+    """Producer: TCP port of its KV transfer socket (0 = OS-chosen; the bound port travels in
+    the kv_transfer_params of each response)."""
+    kv_transfer_keep_timeout_s: float = 60.0
+    """Producer: seconds a finished prefill's KV blocks are kept for a consumer that never
+    pulls or confirms them (it died, or the client left), then freed."""
+    kv_transfer_timeout_s: float = 30.0
+    """Consumer: seconds a pull may wait for the producer's reply before the request fails
+    (the producer died or is unreachable)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -217,6 +234,7 @@ class EngineConfig:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         self._check_prefill_policy()
         self._check_speculative()
+        self._check_kv_transfer()
 
     def _check_speculative(self) -> None:
         """The speculative decoding settings (``__post_init__``). Raises ValueError."""
@@ -239,6 +257,20 @@ class EngineConfig:
             if self.draft_num_layers is None or self.draft_num_layers < 1:
                 raise ValueError(f"speculative_method='draft' needs draft_num_layers >= 1 (got "
                                  f"{self.draft_num_layers}): the early-exit draft's layer count")
+
+    def _check_kv_transfer(self) -> None:
+        """The P/D settings (``__post_init__``). Raises ValueError."""
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role={self.kv_role!r} is not supported: use one of {KV_ROLES} "
+                             f"or leave it unset")
+        if self.kv_role is not None and self.data_parallel_size > 1:
+            raise ValueError("kv_role with data_parallel_size > 1 is not supported yet: run one "
+                             "rank per P/D instance (several instances behind atom pd-proxy)")
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be in [0, 65535]")
+        for name in ("kv_transfer_keep_timeout_s", "kv_transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 (seconds)")
 
     def _check_prefill_policy(self) -> None:
         """The prefill policy settings (``__post_init__``). Raises ValueError."""

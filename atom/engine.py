@@ -36,7 +36,7 @@ import msgspec
 from atom.config import EngineConfig
 from atom.engine_core_client import EngineCoreClient, InprocClient
 from atom.liveness import EngineDeadError, RankFailedError
-from atom.messages import EngineCoreRequest, EngineRuntime
+from atom.messages import EngineCoreRequest, EngineRuntime, KVTransferParams
 from atom.output_processor import OutputProcessor
 from atom.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
@@ -149,7 +149,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time_s: float | None = None,
                     data_parallel_rank: int | None = None, session_id: str | None = None,
-                    arrival_tick: int | None = None) -> None:
+                    arrival_tick: int | None = None,
+                    kv_transfer_params: KVTransferParams | None = None) -> None:
         """Queue a request; one that can never run is finished with ``error`` (its output comes
         from the next ``step()``).
 
@@ -158,7 +159,9 @@ class LLMEngine:
         core); both are ignored with one rank. ``arrival_tick`` (tick-clocked replay, DP only)
         makes the request's rank hold it until that tick of the wave (the ticks of a replay
         count from its wave's first tick; send every request of a replay before the first
-        ``step()``: ``atom.dp.engine_core_proc``). The token ids are
+        ``step()``: ``atom.dp.engine_core_proc``). ``kv_transfer_params``: the request's P/D
+        half (:mod:`atom.kv_connector`; a producer's final output carries the params its
+        consumer needs in ``RequestOutput.kv_transfer_params``). The token ids are
         checked by the core (a request it cannot run finishes with ``error``); one that msgpack
         cannot even carry (an id past 64 bits) fails here.
 
@@ -176,7 +179,7 @@ class LLMEngine:
             self._pending.append(rejected)
             return
         request = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival,
-                                    arrival_tick=arrival_tick)
+                                    arrival_tick=arrival_tick, kv_transfer_params=kv_transfer_params)
         try:
             self.client.add_request(request, data_parallel_rank=data_parallel_rank,
                                     session_id=session_id)

@@ -33,6 +33,13 @@ output tokens so far: its sequences start as if preempted by recompute, a seeded
 generator is advanced past the tokens already drawn (:class:`~atom.sampler.Sampler`), and
 choices that had finished are not run again.
 
+P/D disaggregation: with ``kv_role`` set, the core owns the worker side of the KV connector
+(:class:`atom.kv_transfer.TCPKVConnector`) and gives the scheduler its scheduler side
+(:mod:`atom.kv_connector`). It applies the worker's output at the start of :meth:`schedule`
+(a consumer's loaded sequence reports the producer's first token then) and hands it the
+scheduler side's metadata at the end of :meth:`schedule`, :meth:`execute` and
+:meth:`abort_requests`; a finished producer prefill's output carries ``kv_transfer_params``.
+
 Sequences finished from outside (:meth:`EngineCore.abort_requests`,
 :meth:`EngineCore.finish_requests`) report nothing: the front end ended them and already knows.
 One finished between :meth:`EngineCore.schedule` and :meth:`EngineCore.execute` is dropped from
@@ -56,7 +63,15 @@ import torch
 
 from atom.block_manager import BlockManager
 from atom.config import EngineConfig
-from atom.messages import EngineCoreRequest, EngineRuntime, ResumedChoice, SeqOutput, check_token_ids
+from atom.kv_connector import KVConnectorScheduler, KVLayout
+from atom.messages import (
+    EngineCoreRequest,
+    EngineRuntime,
+    KVTransferParams,
+    ResumedChoice,
+    SeqOutput,
+    check_token_ids,
+)
 from atom.sampler import Sampler, top_logprobs
 from atom.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.sequence import FinishReason, Sequence, SequenceStatus
@@ -66,6 +81,7 @@ logger = logging.getLogger(__name__)
 
 # what a UtilityCall may name
 UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "get_cached_block_hashes")
+_KV_WAIT_S = 0.01  # a step with only remote KV pulls in flight waits this long for one
 
 
 class _RequestState:
@@ -124,9 +140,16 @@ class EngineCore:
                                      kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        self.kv_connector = _start_kv_connector(config, self.runner, KVLayout(
+            dtype=dtype_name, block_size=config.block_size, num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim, num_layers=arch.num_hidden_layers))
         self.draft_proposer, ngram = _make_proposers(config, self.runner)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, max_model_len),
-                                   self.block_manager, eos_token_ids=eos, proposer=ngram)
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config, max_model_len), self.block_manager,
+            eos_token_ids=eos, proposer=ngram,
+            connector=None if self.kv_connector is None else KVConnectorScheduler(
+                config.kv_role, block_size=config.block_size, host=config.kv_transfer_host,
+                port=self.kv_connector.port))
         self.sampler = Sampler(eos, seed=config.seed)
         self.rejection_sampler = self.spec_stats = None
         if config.speculative_method is not None:
@@ -173,6 +196,8 @@ class EngineCore:
             self._pending += [_finish_output(seq, FinishReason.ERROR, error=message) for seq in seqs]
             return
         error = self._validate(request)
+        if request.kv_transfer_params is not None and error is None:
+            error = self._attach_kv_transfer_params(seqs, request.kv_transfer_params)
         prompt_logprobs = ([None] * len(seqs[0].token_ids)
                            if params.prompt_logprobs is not None else None)
         self._requests[request.request_id] = _RequestState(seqs, prompt_logprobs)
@@ -188,6 +213,25 @@ class EngineCore:
         params = request.sampling_params
         return check_token_ids(request.prompt_token_ids, params.stop_token_ids,
                                list(params.logit_bias), vocab_size=self.runtime.vocab_size)
+
+    def _attach_kv_transfer_params(self, seqs: list[Sequence], params: KVTransferParams) -> str | None:
+        """Give a P/D request's sequences their params (a consumer's also gets the producer's
+        first token as output token 0); returns why the request cannot run here, or None."""
+        connector = self.scheduler.connector
+        if connector is None:
+            return "kv_transfer_params needs an engine started with --kv-role producer|consumer"
+        error = connector.check_request(params, num_prompt_tokens=seqs[0].num_prompt_tokens,
+                                        n=len(seqs))
+        if error is None and params.do_remote_prefill:
+            error = check_token_ids([params.first_token_id], [], [],
+                                    vocab_size=self.runtime.vocab_size)
+        if error is not None:
+            return error
+        for seq in seqs:
+            seq.kv_transfer_params = params
+            if params.do_remote_prefill:
+                seq.token_ids.append(params.first_token_id)
+        return None
 
     def fail_request(self, request_id: str, num_seqs: int, error: str) -> None:
         """Finish a request the core could not even read (a malformed frame from the front end)
@@ -208,6 +252,7 @@ class EngineCore:
                     self.scheduler.finish(seq, FinishReason.ABORT)
                     self.num_aborted_seqs += 1
             self._forget_if_done(request_id)
+        self._sync_kv_connector()  # an aborted pull is dropped, its producer told
 
     def finish_requests(self, seq_keys: list[tuple[str, int]], stop_reasons: list[str]) -> None:
         """The front end found a stop string: finish those sequences with ``stop`` and free
@@ -238,15 +283,20 @@ class EngineCore:
     # ----- the step -----
 
     def has_work(self) -> bool:
-        """Unfinished sequences or unreported finishes exist (the busy loop keeps stepping)."""
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        """Unfinished sequences or unreported finishes exist, or the KV connector finished
+        something (the busy loop keeps stepping)."""
+        return (bool(self._pending) or self.scheduler.has_unfinished()
+                or (self.kv_connector is not None and self.kv_connector.has_pending_output()))
 
     def step(self) -> list[SeqOutput]:
         """Run one tick: schedule → forward → sample → postprocess. Returns what changed (see
         the module docstring); rejected requests' finishes come first. With ``enable_tbo``, a
         batch :func:`atom.tbo.can_split` allows runs as two micro-batches."""
         sched = self.schedule()
-        return self.execute(sched, two_batch_overlap=self.tbo_eligible(sched))
+        outputs = self.execute(sched, two_batch_overlap=self.tbo_eligible(sched))
+        if sched.is_empty and self.scheduler.waiting_for_remote_kvs:
+            self.kv_connector.wait(_KV_WAIT_S)  # only pulls in flight: no busy spinning
+        return outputs
 
     def tbo_eligible(self, sched: SchedulerOutput) -> bool:
         """Whether ``enable_tbo`` is on and this batch can run as two micro-batches (the DP
@@ -260,7 +310,11 @@ class EngineCore:
         forwards run here and fill the reserved draft slots, unless ``defer_drafts`` (the DP
         loop: every rank must run the same number of draft forwards, agreed in the exchange,
         then :meth:`run_drafts`)."""
+        if self.kv_connector is not None:
+            self._apply_kv_connector_output()
         sched = self.scheduler.schedule(allow_prefill=allow_prefill)
+        if self.kv_connector is not None:
+            self._sync_kv_connector()  # start the pulls of the sequences admitted just now
         if self.draft_proposer is not None and sched.spec_budget and not defer_drafts:
             self.run_drafts(sched)
         return sched
@@ -275,6 +329,30 @@ class EngineCore:
         drafts = self.draft_proposer.propose(seqs, [sched.spec_budget[s.seq_id] for s in seqs],
                                              num_steps=num_steps)
         self.scheduler.set_spec_tokens(sched, seqs, drafts)
+
+    def _sync_kv_connector(self) -> None:
+        """Hand the scheduler side's changes (loads, kept blocks, cancels) to the worker."""
+        if self.kv_connector is not None:
+            meta = self.scheduler.connector.build_connector_meta()
+            if not meta.is_empty:
+                self.kv_connector.start_load_kv(meta)
+
+    def _apply_kv_connector_output(self) -> None:
+        """What the worker finished: kept blocks freed; loaded sequences report the producer's
+        first token (a finish too, if it ended them); failed pulls finish with ``error``."""
+        loaded, failed = self.scheduler.update_from_kv_connector_output(
+            self.kv_connector.get_finished())
+        for seq in loaded:
+            self._pending.append(SeqOutput(
+                request_id=seq.request_id, index=seq.index, new_token_ids=[seq.token_ids[-1]],
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens,
+                num_prompt_tokens=seq.num_prompt_tokens))
+        self._pending += [_finish_output(seq, seq.finish_reason, error=seq.error_message)
+                          for seq in failed]
+        for seq in loaded + failed:
+            if seq.is_finished:
+                self._forget_if_done(seq.request_id)
 
     def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                 ) -> list[SeqOutput]:
@@ -292,6 +370,7 @@ class EngineCore:
             sched.scheduled = [(seq, n) for seq, n in sched.scheduled if not seq.is_finished]
         if not sched.is_empty:
             outputs += self._execute(sched, two_batch_overlap)
+        self._sync_kv_connector()  # blocks kept for consumers, before the outputs announce them
         self._publish_kv_events()
         return outputs
 
@@ -374,7 +453,8 @@ class EngineCore:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason, error=seq.error_message,
             num_cached_tokens=seq.num_cached_tokens, num_prompt_tokens=seq.num_prompt_tokens,
-            prompt_logprobs=state.prompt_logprobs if send_prompt_logprobs else None)
+            prompt_logprobs=state.prompt_logprobs if send_prompt_logprobs else None,
+            kv_transfer_params=seq.kv_transfer_params if seq.is_finished else None)
 
     def _forget_finished(self, seqs: list[Sequence]) -> None:
         """Forget the requests of finished ``seqs`` (after the outputs: siblings may be in it)."""
@@ -430,6 +510,9 @@ class EngineCore:
             pub = self.kv_event_publisher.stats()
             stats["kv_events_published_batches"] = pub["num_published_batches"]
             stats["kv_events_dropped_batches"] = pub["num_dropped_batches"]
+        if self.kv_connector is not None:
+            stats.update(self.kv_connector.get_stats())
+            stats["num_waiting_for_remote_kvs"] = len(self.scheduler.waiting_for_remote_kvs)
         return stats
 
     def reset_prefix_cache(self) -> dict[str, bool]:
@@ -447,9 +530,12 @@ class EngineCore:
         return {"block_hashes": sorted(to_wire_hash(h) for h in self.block_manager.hash_to_block)}
 
     def close(self) -> None:
-        """Stop the KV events publisher (sending what it has queued). Idempotent."""
+        """Stop the KV events publisher (sending what it has queued) and the KV connector.
+        Idempotent."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def call_utility(self, method: str) -> dict:
         """Run a utility method by name (one of ``UTILITY_METHODS``).
@@ -501,6 +587,23 @@ def _start_publisher(config: EngineConfig, dp_rank: int):
         raise RuntimeError(f"dp rank {dp_rank}: cannot bind the KV events endpoints "
                            f"{settings.endpoint} / {settings.replay_endpoint} (offset by the "
                            f"rank): {exc}") from exc
+
+
+def _start_kv_connector(config: EngineConfig, runner, layout: KVLayout):
+    """The worker side of the P/D KV connector (:mod:`atom.kv_transfer`), or None when
+    ``kv_role`` is unset.
+
+    Raises:
+        RuntimeError: a producer cannot bind its KV transfer port.
+    """
+    if config.kv_role is None:
+        return None
+    from atom.kv_transfer import TCPKVConnector
+
+    return TCPKVConnector(config.kv_role, runner.kv_caches, layout, host=config.kv_transfer_host,
+                          port=config.kv_transfer_port,
+                          keep_timeout_s=config.kv_transfer_keep_timeout_s,
+                          pull_timeout_s=config.kv_transfer_timeout_s)
 
 
 def _resume(seqs: list[Sequence], resumed: list[ResumedChoice]) -> str | None:

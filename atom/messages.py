@@ -58,6 +58,37 @@ def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],
     return None
 
 
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Prefill/decode disaggregation: what a request carries to and from the KV connector
+    (:mod:`atom.kv_connector`; field names after vLLM's ``kv_transfer_params``).
+
+    To a producer (``--kv-role producer``): ``do_remote_decode=True``: keep the request's KV
+    blocks after it finishes (it runs with ``max_tokens=1``) until a consumer pulled them.
+    From the producer (in its response) and to a consumer (``--kv-role consumer``):
+    ``do_remote_prefill=True`` and where the KV is.
+
+    Attributes:
+        do_remote_decode: the request is the prefill half of a P/D pair.
+        do_remote_prefill: the request's prompt KV is on a producer: pull it, do not compute it.
+        remote_host: the producer's KV transfer address (host or IP).
+        remote_port: the producer's KV transfer TCP port.
+        remote_request_id: the producer's engine request id (the key its blocks are kept under).
+        remote_block_ids: the producer's block ids holding the prompt's KV, in order.
+        remote_num_tokens: prompt tokens whose KV those blocks hold.
+        first_token_id: the token the producer sampled; the consumer emits it as its first
+            output token and decodes on from it.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] = []
+    remote_num_tokens: int = 0
+    first_token_id: int | None = None
+
+
 class ResumedChoice(msgspec.Struct, frozen=True):
     """What one choice of a request had produced when the ranks running it were lost (a rank
     failure; docs/ARCHITECTURE.md, "Rank failures"): the core rebuilds the sequence as a
@@ -95,6 +126,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
     wave_id: int = 0
     resumed: list[ResumedChoice] | None = None
     arrival_tick: int | None = None
+    kv_transfer_params: KVTransferParams | None = None  # P/D only (atom.kv_connector)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
@@ -146,6 +178,8 @@ class SeqOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     # whole list (one entry per prompt token), sent once: with choice 0's first sampled token
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # a producer's finished prefill: where its kept KV is (atom.kv_connector)
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -55,6 +55,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_resumes: int = 0  # rank failures this request was resumed after
+    kv_transfer_params: object | None = None  # from a P/D producer's finish
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,8 @@ class OutputProcessor:
             if out.new_token_ids and state.metrics.first_token_time_s is None:
                 state.metrics.first_token_time_s = now
             choice.cumulative_logprob = out.cumulative_logprob
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             stop = self._append_tokens(state, choice, out)
             if stop is None:
                 choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
@@ -261,7 +264,7 @@ class OutputProcessor:
                              finished=finished, num_cached_tokens=state.num_cached_tokens,
                              prompt_logprobs=(None if state.prompt_logprobs is None
                                               else list(state.prompt_logprobs)),
-                             metrics=state.metrics)
+                             metrics=state.metrics, kv_transfer_params=state.kv_transfer_params)
 
     def _final_output(self, state: _RequestState) -> RequestOutput:
         state.metrics.finished_time_s = time.monotonic()

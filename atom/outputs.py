@@ -88,3 +88,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    # a P/D producer's finished prefill: where its KV is kept (atom.messages.KVTransferParams)
+    kv_transfer_params: object | None = None

@@ -26,6 +26,12 @@ one with the stop checks (EOS, stop ids, ``min_tokens``, ``max_tokens``, ``max_m
 exactly, mid-run), counts as computed only the last token and the accepted drafts, and gives
 back the blocks that only rejected drafts used. Draft tokens are never in ``token_ids`` before
 they are accepted, so they never reach the prefix cache or the KV events.
+
+P/D disaggregation (:mod:`atom.kv_connector`): a consumer sequence is admitted with its blocks
+into ``waiting_for_remote_kvs`` (status ``WAITING_FOR_REMOTE_KVS``) instead of being prefilled,
+and joins the running batch when its pull is done; a producer's finished prefill may keep its
+blocks (``kv_kept``) until the consumer has them. Only sequences with ``kv_transfer_params``
+take these paths.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from atom.block_manager import BlockManager, DryRunClaims
+from atom.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from atom.proposer import Proposer
 from atom.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -133,14 +140,23 @@ class Scheduler:
         proposer: with ``num_speculative_tokens > 0``, a proposer that runs inside
             :meth:`schedule` (``runs_in_scheduler``: n-gram); None = the drafts come from
             outside after scheduling (:meth:`set_spec_tokens`).
+        connector: the scheduler side of the P/D KV connector (:mod:`atom.kv_connector`), or
+            None. Only sequences with ``kv_transfer_params`` ever reach it.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
-                 eos_token_ids: tuple[int, ...] = (), proposer: Proposer | None = None):
+                 eos_token_ids: tuple[int, ...] = (), proposer: Proposer | None = None,
+                 connector: KVConnectorScheduler | None = None):
         if proposer is not None and not proposer.runs_in_scheduler:
             raise ValueError(f"{type(proposer).__name__} cannot run inside the scheduler")
         self.config = config
         self.proposer = proposer
+        self.connector = connector
+        # P/D (atom.kv_connector), by request id: consumer sequences whose prompt KV is being
+        # pulled (they hold blocks, outside the running batch), and producer sequences that
+        # finished but whose blocks are kept for a consumer
+        self.waiting_for_remote_kvs: dict[str, Sequence] = {}
+        self.kv_kept: dict[str, Sequence] = {}
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -188,6 +204,9 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_remote_kvs[seq.request_id]
+            self.connector.request_cancelled(seq)  # the KV cache is written on this thread only
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, reason, stop_reason=stop_reason)
@@ -200,6 +219,11 @@ class Scheduler:
         seq.error_message = error_message
         seq.spec_token_ids = []
         if seq.block_table:
+            if seq.kv_transfer_params is not None and self.connector is not None:
+                keep, seq.kv_transfer_params = self.connector.request_finished(seq, reason)
+                if keep:  # freed when the worker reports it sent (update_from_kv_connector_output)
+                    self.kv_kept[seq.request_id] = seq
+                    return
             self.block_manager.free(seq)
 
     # ----- queries -----
@@ -213,7 +237,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
 
     def has_pending_prefill(self) -> bool:
         """Waiting sequences or partial prefills exist (work a prefill policy may align)."""
@@ -443,7 +467,8 @@ class Scheduler:
         logger.debug("preempted seq %d (%d tokens)", seq.seq_id, len(seq.token_ids))
 
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and token_budget > 0 and len(self.running)
+               + len(self.waiting_for_remote_kvs) < self.config.max_num_seqs):
             seq = self.waiting[0]
             decision = self._admission(seq, token_budget)
             if decision is None:
@@ -454,10 +479,64 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+            if seq.kv_transfer_params is not None and self._start_remote_load(seq, num_cached):
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             token_budget -= num_new
+
+    # ----- the KV connector (P/D) -----
+
+    def _start_remote_load(self, seq: Sequence, num_cached: int) -> bool:
+        """Admit a consumer sequence (its blocks are allocated) as waiting for its remote KV
+        instead of prefilling it; False when it has nothing to load (a producer request)."""
+        if self.connector is None or not seq.kv_transfer_params.do_remote_prefill:
+            return False
+        num_external, _ = self.connector.get_num_new_matched_tokens(seq, num_cached)
+        # num_external == 0 (the whole prompt was cached here) still goes through the worker,
+        # which reports it loaded at once: one path for the first-token injection
+        self.connector.update_state_after_alloc(seq, num_external)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[seq.request_id] = seq
+        return True
+
+    def update_from_kv_connector_output(self, output: KVConnectorOutput
+                                        ) -> tuple[list[Sequence], list[Sequence]]:
+        """Apply what the worker side finished: free kept blocks that were sent (producer);
+        move loaded sequences to the running batch with their prompt computed and the
+        producer's first token as their first output token (consumer); fail the sequences whose
+        pull failed.
+
+        Returns:
+            (loaded sequences: their first token is new output, some may have finished on it;
+            sequences failed with ``error``).
+        """
+        for request_id in output.finished_sending:
+            seq = self.kv_kept.pop(request_id, None)
+            if seq is not None:
+                self.block_manager.free(seq)
+        loaded, failed = [], []
+        for request_id in output.finished_recving:
+            seq = self.waiting_for_remote_kvs.pop(request_id, None)
+            if seq is None:
+                continue  # aborted meanwhile
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.kv_transfer_params = None  # loaded: a preemption now recomputes, as for any sequence
+            self.block_manager.cache_computed_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            loaded.append(seq)
+            reason, stop_reason = self._stop_check(seq, seq.token_ids[-1])
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason, stop_reason=stop_reason)
+        for request_id, error in output.failed_recving.items():
+            seq = self.waiting_for_remote_kvs.pop(request_id, None)
+            if seq is not None:
+                self._finish(seq, FinishReason.ERROR, error_message=error)
+                failed.append(seq)
+        return loaded, failed
 
     def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]]
                     ) -> list[Sequence]:

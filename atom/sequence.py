@@ -17,12 +17,15 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from atom.messages import KVTransferParams
 from atom.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # P/D consumer: blocks allocated, the prompt's KV being pulled from a producer (atom.kv_connector)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 
 
@@ -78,6 +81,9 @@ class Sequence:
     # last token, positions len(token_ids) ...); never part of token_ids until accepted, so they
     # never reach the prefix cache; set and cleared by the scheduler within one step
     spec_token_ids: list[int] = field(default_factory=list)
+    # P/D only (atom.kv_connector): the request's params; on a producer, replaced at the finish
+    # by the params a consumer needs
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,7 +1,8 @@
 """Time accuracy of the simulator: ``scripts/dp_experiment.py``'s workload replayed
 time-clocked (seconds) on real 2-rank deployments, 3 runs each, against the simulator with
 this machine's calibration profile, plus the ablation (the cost model without the
-slowest-rank rule: the mean rank instead; without the dummy batches' cost).
+slowest-rank rule: the mean rank instead; without the dummy batches' cost; without the
+ranks' contention for the shared memory).
 
 Configurations: the dense model and model (a) with its experts over the ranks (expert
 parallelism), the prefill policy off (``none``) and on (``delayer``). Metrics: the wall time
@@ -11,7 +12,7 @@ runs' counts move with the machine's speed; the exact step-for-step comparison i
 tick-clocked test, tests/dp/sim/test_sim_parity.py).
 
     python scripts/sim_accuracy.py                       # the committed profiles
-    python scripts/sim_accuracy.py --calibrate           # calibrate first (a few minutes)
+    python scripts/sim_accuracy.py --calibrate           # calibrate each model first
 
 Other processes on the machine change the real runs' speed; the load average is printed
 before and after, and the JSON (``--output-json``) keeps every run.
@@ -43,8 +44,10 @@ CONFIGS = {"dense, none": dict(prefill_policy="none"),
 METRICS = (("wall time (s)", lambda r: r["elapsed_s"]),
            ("mean TTFT (ms)", lambda r: r["ttft_ms"]["mean"]),
            ("mean TPOT (ms)", lambda r: r["tpot_ms"]["mean"]))
-VARIANTS = {"model": {}, "no slowest-rank rule": {"slowest_rank": False},
-            "no dummy cost": {"dummy_cost": False}}
+# the ablation: simulate() options, and the coefficients set to 0
+VARIANTS = {"model": ({}, ()), "no slowest-rank rule": ({"slowest_rank": False}, ()),
+            "no dummy cost": ({"dummy_cost": False}, ()),
+            "no contention": ({}, ("contention",))}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,31 +56,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--runs", type=int, default=3, help="real runs per configuration")
     p.add_argument("--calibrate", action="store_true",
-                   help="calibrate this machine first (dense, then EP) instead of reading the "
-                        "committed profiles")
+                   help="calibrate this machine (each model just before its real runs) instead "
+                        "of reading the committed profiles")
     p.add_argument("--profile-dir", default="results/sim_accuracy_profiles",
                    help="with --calibrate: where the fresh profiles go")
     p.add_argument("--output-json", default="results/sim_accuracy.json")
     return p.parse_args(argv)
 
 
-def profiles(args: argparse.Namespace) -> dict[str, object]:
-    """The profile of each model (dense, EP): fresh with ``--calibrate``, else committed."""
-    out = {}
-    for key, options in (("dense", {}), ("EP", MOE)):
-        config = dataclasses.replace(BASE, **options)
-        if args.calibrate:
-            from atom.dp.sim.calibrate import calibrate
+def profile_for(model: str, args: argparse.Namespace):
+    """The profile of ``model`` ("dense" or "EP"): fresh with ``--calibrate`` (measured right
+    before that model's real runs, so the machine's speed has little time to drift), else the
+    committed one."""
+    config = dataclasses.replace(BASE, **(MOE if model == "EP" else {}))
+    if not args.calibrate:
+        return load_profile(default_profile_name(config))
+    from atom.dp.sim.calibrate import calibrate
 
-            print(f"calibrating ({key}) ...", file=sys.stderr, flush=True)
-            profile = calibrate(config)
-            folder = pathlib.Path(args.profile_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            profile.save(folder / f"{key}.json")
-        else:
-            profile = load_profile(default_profile_name(config))
-        out[key] = profile
-    return out
+    print(f"calibrating ({model}) ...", file=sys.stderr, flush=True)
+    profile = calibrate(config)
+    folder = pathlib.Path(args.profile_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    profile.save(folder / f"{model}.json")
+    return profile
+
+
+def without(profile, names: tuple[str, ...]):
+    """``profile`` with the coefficients ``names`` set to 0."""
+    coefficients = dataclasses.replace(profile.coefficients, **{n: 0.0 for n in names})
+    return dataclasses.replace(profile, coefficients=coefficients)
 
 
 def measure(name: str, args: argparse.Namespace, profile) -> dict:
@@ -87,8 +94,8 @@ def measure(name: str, args: argparse.Namespace, profile) -> dict:
     for i in range(args.runs):
         print(f"{name}: real run {i + 1} of {args.runs} ...", file=sys.stderr, flush=True)
         real.append(run_real(requests, config, name=name))
-    sims = {variant: simulate(requests, config, profile, name=name, **options)
-            for variant, options in VARIANTS.items()}
+    sims = {variant: simulate(requests, config, without(profile, zeroed), name=name, **options)
+            for variant, (options, zeroed) in VARIANTS.items()}
     rows = []
     for label, get in METRICS:
         values = [get(r) for r in real]
@@ -105,16 +112,16 @@ def measure(name: str, args: argparse.Namespace, profile) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
+    ablations = [v for v in VARIANTS if v != "model"]
     print("| configuration | metric | real (median of runs; all) | simulated | error | "
-          "error without slowest-rank rule | error without dummy cost |")
-    print("|---|---|---|---|---|---|---|")
+          + " | ".join(f"error without {v.removeprefix('no ')}" for v in ablations) + " |")
+    print("|---" * (5 + len(ablations)) + "|")
     for result in results:
         for row in result["rows"]:
             runs = ", ".join(f"{v:.0f}" if v > 100 else f"{v:.1f}" for v in row["real"])
             print(f"| {result['config']} | {row['metric']} | {row['real_median']:.1f} ({runs}) | "
                   f"{row['model']:.1f} | {row['error, model']:+.1%} | "
-                  f"{row['error, no slowest-rank rule']:+.1%} | "
-                  f"{row['error, no dummy cost']:+.1%} |")
+                  + " | ".join(f"{row[f'error, {v}']:+.1%}" for v in ablations) + " |")
     for result in results:
         s = result["steps"]
         print(f"{result['config']}: forward steps real {s['real']} vs simulated {s['sim']}; "
@@ -124,9 +131,12 @@ def print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()
-    chosen = profiles(args)
-    results = [measure(name, args, chosen["EP" if "EP" in name else "dense"])
-               for name in args.configs]
+    chosen, results = {}, []
+    for name in args.configs:
+        model = "EP" if "EP" in name else "dense"
+        if model not in chosen:
+            chosen[model] = profile_for(model, args)
+        results.append(measure(name, args, chosen[model]))
     load_after = os.getloadavg()
     print(f"machine: {machine_info(1)}; load average before {load_before[0]:.1f}, after "
           f"{load_after[0]:.1f}")

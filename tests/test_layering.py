@@ -52,6 +52,7 @@ def test_engine_does_not_import_dp_launch_or_entrypoints(path):
 # the rank contract
 @pytest.mark.parametrize("name", ["atom/sequence.py", "atom/block_manager.py", "atom/scheduler.py",
                                   "atom/sampling_params.py", "atom/messages.py", "atom/config.py",
+                                  "atom/kv_connector.py",
                                   "atom/engine_core_client.py", "atom/liveness.py",
                                   "atom/spawned_ranks.py", "dp/rank_contract.py",
                                   "dp/node_address.py"])

@@ -12,7 +12,10 @@
 
 Errors in the options or the inputs (a model that does not exist, a bad value) are one line on
 stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
-- ``atom serve``: the OpenAI-compatible server (:mod:`atom.entrypoints.openai.api_server`).
+- ``atom serve``: the OpenAI-compatible server (:mod:`atom.entrypoints.openai.api_server`);
+  with ``--kv-role producer|consumer`` one half of a P/D pair (:mod:`atom.kv_connector`).
+- ``atom pd-proxy --prefill URL[,URL...] --decode URL[,URL...]``: one OpenAI endpoint over P/D
+  instances (:mod:`atom.entrypoints.pd_proxy`).
 - ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`);
   ``atom bench serve ...``: the serving benchmark (:mod:`atom.entrypoints.bench_serving`);
   ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.entrypoints.multinode`).
@@ -184,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     from atom.entrypoints.openai.cli_args import add_serve_parser
 
     add_serve_parser(sub, fmt)
+    from atom.entrypoints.pd_proxy import add_pd_proxy_parser
+
+    add_pd_proxy_parser(sub, fmt)
 
     sub.add_parser("launch", help="start N ranks torchrun-style: atom launch --nproc-per-node N -- "
                                   "COMMAND (see `atom launch --help`)")

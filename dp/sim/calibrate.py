@@ -13,7 +13,9 @@ Two parts, both on the real engine:
    per-tick trace on; the simulator replays the same workload (its steps equal the real
    run's, tick for tick) with the grid's coefficients, and every tick's duration for the
    group (:func:`group_step_durations`) is fitted, by non-negative least squares in seconds,
-   as ``compute_scale`` × the grid's slowest-rank compute + ``tick_s``; with expert
+   as ``compute_scale`` × the grid's slowest-rank compute × (1 + ``contention`` × the share
+   of the other ranks computing beside it) + ``tick_s``, over :data:`GROUP_REPLAYS` replays;
+   with expert
    parallelism a second replay, the experts now sharded, fits ``ep_fixed_s`` and ``ep_row_s``
    per micro-batch on what that leaves. The grid gives the relative costs of batch shapes;
    the real ranks, which share the cores with each other, the front end and whatever else
@@ -54,6 +56,7 @@ GRID: list[dict] = (
     + [{}, {"tbo": True}]  # the dummy batch, whole and split
 )
 GRID_KV_BLOCKS = 1200  # 19,200 tokens: the grid's largest batch (32 x 512) with room
+GROUP_REPLAYS = 2  # real replays the group terms are fitted on (one is noisy on shared cores)
 _FEATURES = ("step_s", "token_s", "sampled_s", "seq_s", "prefill_pair_s", "decode_context_s",
              "dummy_s")
 
@@ -227,40 +230,54 @@ def calibration_workload() -> list[TraceRequest]:
 
 
 def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
-              requests: list[TraceRequest]) -> tuple[dict, dict]:
-    """Run ``requests`` tick-clocked on real ranks and in the simulator (with
-    ``coefficients``); fit the group's terms on every tick's duration. Without expert
-    parallelism: ``compute_scale`` and ``tick_s`` (``coefficients`` holds the grid's only).
-    With it: ``ep_fixed_s`` and ``ep_row_s`` on what the level and the tick, fitted before on
-    the same model without expert parallelism (in ``coefficients``), leave: the compute
-    and the EP rows both grow with the step's tokens, so fitted together the collectives
-    would take the compute's share. Returns the terms and the fit's errors."""
+              requests: list[TraceRequest], *, replays: int = GROUP_REPLAYS
+              ) -> tuple[dict, dict]:
+    """Run ``requests`` tick-clocked on real ranks ``replays`` times and once in the simulator
+    (with ``coefficients``); fit the group's terms on every tick's duration of every replay.
+    Without expert parallelism: ``compute_scale``, ``contention`` and ``tick_s``
+    (``coefficients`` holds the grid's only): the tick lasts ``compute_scale`` × the grid's
+    slowest-rank compute × (1 + ``contention`` × the share of the other ranks computing) +
+    ``tick_s``. With it: ``ep_fixed_s`` and ``ep_row_s`` on what the level, the contention
+    and the tick, fitted before on the same model without expert parallelism (in
+    ``coefficients``), leave: the compute and the EP rows both grow with the step's tokens,
+    so fitted together the collectives would take the compute's share. Returns the terms and
+    the fit's errors."""
     from atom.dp.dp_trace import read_trace
     from atom.dp.sim.replay import run_real
 
-    with tempfile.TemporaryDirectory(prefix="atom-calibrate-") as folder:
-        run_real(requests, dataclasses.replace(config, dp_trace=folder), name="calibration")
-        periods = group_step_durations(read_trace(folder)[0].rows)
+    runs = []
+    for _ in range(replays):
+        with tempfile.TemporaryDirectory(prefix="atom-calibrate-") as folder:
+            run_real(requests, dataclasses.replace(config, dp_trace=folder), name="calibration")
+            runs.append(group_step_durations(read_trace(folder)[0].rows))
     profile = Profile(Coefficients(**{**coefficients, "ep_fixed_s": 0.0, "ep_row_s": 0.0}),
                       model_facts=facts)
-    log = [(tick, cost) for tick, cost in _simulate_with_log(requests, config, profile).step_log
-           if tick in periods]
-    if len(log) != len(periods):
-        raise RuntimeError("the simulated replay's ticks differ from the real run's "
-                           f"({len(log)} of {len(periods)} matched): step parity is broken")
-    measured = np.array([periods[tick] for tick, _ in log])
+    step_log = _simulate_with_log(requests, config, profile).step_log
+    log, measured = [], []
+    for periods in runs:
+        matched = [(tick, cost) for tick, cost in step_log if tick in periods]
+        if len(matched) != len(periods):
+            raise RuntimeError("the simulated replay's ticks differ from the real run's "
+                               f"({len(matched)} of {len(periods)} matched): step parity is "
+                               "broken")
+        log += [cost for _, cost in matched]
+        measured += [periods[tick] for tick, _ in matched]
+    measured = np.array(measured)
     if not config.enable_expert_parallel:
-        a = np.array([[cost.compute_s, 1.0] for _, cost in log])
+        a = np.array([[cost.compute_s, cost.compute_s * cost.others_busy, 1.0] for cost in log])
         x = nnls(a, measured)
-        terms, predicted = {"compute_scale": float(x[0]), "tick_s": float(x[1])}, a @ x
+        terms = {"compute_scale": float(x[0]), "tick_s": float(x[2]),
+                 "contention": float(x[1] / x[0]) if x[0] > 0 else 0.0}
+        predicted = a @ x
     else:
-        rest = np.array([cost.total_s for _, cost in log])  # the scaled compute + the tick
+        rest = np.array([cost.total_s for cost in log])  # the scaled compute + the tick
         a = np.array([[cost.num_micro_batches * (cost.max_num_tokens > 0),
                        cost.num_micro_batches * cost.max_num_tokens
-                       * (config.data_parallel_size - 1)] for _, cost in log])
+                       * (config.data_parallel_size - 1)] for cost in log])
         x = nnls(a, measured - rest)
         terms, predicted = {"ep_fixed_s": float(x[0]), "ep_row_s": float(x[1])}, rest + a @ x
-    return terms, {**rel_errors(predicted, measured), "real_wall_s": float(measured.sum())}
+    return terms, {**rel_errors(predicted, measured),
+                   "real_wall_s": float(measured.sum()) / replays, "replays": replays}
 
 
 def group_step_durations(rows: list[dict]) -> dict[int, float]:
@@ -322,6 +339,6 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
         model_facts=facts, fit=fit,
         notes=(f"atom sim calibrate: grid of {len(measurements)} batches x {repeats} repeats "
                f"(median) on one in-process core, {threads} thread(s); group terms from a "
-               f"tick-clocked replay on {config.data_parallel_size} real ranks"
-               f"{', then one with expert parallelism' if config.enable_expert_parallel else ''}; "
+               f"tick-clocked replay ({GROUP_REPLAYS} runs) on {config.data_parallel_size} real "
+               f"ranks{', then with expert parallelism' if config.enable_expert_parallel else ''}; "
                f"{time.monotonic() - start:.0f} s"))

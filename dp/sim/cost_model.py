@@ -7,15 +7,24 @@ Only the forward pass is modelled; every decision comes from the engine's own co
     micro-batch on rank r   c_r = k·(step_s + token_s·T_r + mlp_token_s·R + sampled_s·S_r
                                      + seq_s·N_r + prefill_pair_s·P_r + decode_context_s·D_r)
     a dummy micro-batch     c_r = k·(dummy_s + mlp_token_s·R)         (no tokens of its own)
-    rank r's step           t_r = Σ over its micro-batches (1, or 2 with TBO)
+    rank r's step           t_r = (1 + contention·b_r/(W-1)) · Σ over its micro-batches
+                                  (1, or 2 with TBO)
     EP collectives          e   = n_mb · (ep_fixed_s + ep_row_s·M·(W-1))     (M > 0)
     the group's step        t   = max_r t_r + e + tick_s
+    rank r's outputs        at tick_s + t_r after the step's start (no EP: a rank sends its
+                            tokens when its own forward ends; the next tick's sync is what
+                            waits for the slowest); at t with EP (every layer's collectives
+                            hold the ranks to the slowest)
 
 T tokens of the micro-batch, S sequences sampled (the LM head and the sampler), N sequences,
 P prefill attention pairs (Σ over prompt chunks of n·(c + (n+1)/2): n new tokens after c
 computed ones), D decode context tokens (Σ context lengths of the decodes), M the step's
 largest token count over the ranks, W the DP size, n_mb the micro-batches, k the
-``compute_scale`` (the real ranks' compute relative to the calibration grid's). Without
+``compute_scale`` (the real ranks' compute relative to the calibration grid's), b_r the
+number of other ranks that compute in the step (a real batch, or with expert parallelism any
+batch of a step with M > 0). ``contention`` is how much slower a rank computes while the
+others compute too: ranks that share a machine's memory bandwidth and caches (CPU ranks on
+one socket) slow each other; ranks on their own accelerators do not (0). Without
 expert parallelism ``token_s`` covers the MLP and R = 0; with it every rank runs its experts
 on the W·M padded rows of every rank at 1/W of the experts, so the MLP's share of
 ``token_s`` (``mlp_token_s``) moves to R = M rows, dummy batches included. ``tick_s`` is the
@@ -25,6 +34,8 @@ Where it is a guess: the per-rank terms are measured on this machine's model run
 and tick terms are fitted on W = 2 real runs, so the ``(W-1)`` bandwidth factor (ring
 all-gather / reduce-scatter) and a W-independent latency are assumptions beyond W = 2; TBO
 overlaps nothing here (the CPU collectives compete with the compute: docs/PERFORMANCE.md).
+``contention`` is fitted at W = 2 (one other rank); that it grows with the fraction of the
+other ranks that compute is an assumption beyond.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ class Coefficients:
     tick_s: float = 0.0
     wake_s: float = 0.0  # an idle group's first tick after a request arrives
     compute_scale: float = 1.0  # real ranks' compute ÷ the grid's (calibrate.fit_group)
+    contention: float = 0.0  # a rank's slow-down with every other rank computing (fit_group)
 
     def __post_init__(self):
         negative = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
@@ -160,13 +172,17 @@ def micro_batch(entries: Sequence[tuple[object, int, int]]) -> MicroBatch:
 @dataclass(frozen=True)
 class StepCost:
     """One step of the group, in parts (seconds): the slowest rank's compute, the EP
-    collectives, the tick's overhead; and what drove them (M, micro-batches)."""
+    collectives, the tick's overhead; and what drove them (M, micro-batches, and the share
+    b_r/(W-1) of the other ranks computing beside the slowest, which ``contention`` scales);
+    when each rank's outputs leave it (module docstring)."""
 
     compute_s: float
     ep_s: float
     tick_s: float
     max_num_tokens: int
     num_micro_batches: int
+    others_busy: float = 0.0
+    rank_done_s: tuple[float, ...] = ()  # per rank: seconds from the start to its outputs
 
     @property
     def total_s(self) -> float:
@@ -209,13 +225,23 @@ class CostModel:
         """The group's step: ``batches[r]`` are rank r's micro-batches (all ranks split the
         same way: one each, or two with TBO)."""
         max_num_tokens = max(sum(mb.num_tokens for mb in rank) for rank in batches)
-        times = [sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens) for mb in rank)
-                 for rank in batches]
-        compute = max(times) if self.slowest_rank else sum(times) / len(times)
+        world_size = len(batches)
+        busy = [max_num_tokens > 0 if self.expert_parallel else
+                any(not mb.is_dummy for mb in rank) for rank in batches]
+        others = [(sum(busy) - b) / max(1, world_size - 1) for b in busy]
+        times = [(1 + self.c.contention * o)
+                 * sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens) for mb in rank)
+                 for rank, o in zip(batches, others)]
+        slowest = max(range(world_size), key=times.__getitem__)
+        compute = times[slowest] if self.slowest_rank else sum(times) / world_size
         num_micro_batches = len(batches[0])
         ep = self.ep_s(max_num_tokens, num_micro_batches=num_micro_batches,
-                       world_size=len(batches))
-        return StepCost(compute, ep, self.c.tick_s, max_num_tokens, num_micro_batches)
+                       world_size=world_size)
+        total = compute + ep + self.c.tick_s
+        done = tuple(total if self.expert_parallel else min(total, self.c.tick_s + t)
+                     for t in times)
+        return StepCost(compute, ep, self.c.tick_s, max_num_tokens, num_micro_batches,
+                        others[slowest], done)
 
     def ep_s(self, max_num_tokens: int, *, num_micro_batches: int, world_size: int) -> float:
         """The EP collectives of one step (none without EP, or when every batch is empty)."""

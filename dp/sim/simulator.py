@@ -14,7 +14,8 @@ rank, with the two all-gathers replaced by gathering the same values in memory:
 4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; every
    rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
 5. the forward is the cost model (:class:`~atom.dp.sim.cost_model.CostModel`): the clock
-   advances by the group's step; every rank postprocesses with the trace's tokens;
+   advances by the group's step; every rank postprocesses with the trace's tokens, its
+   outputs timed when its own forward ends (without EP it does not wait for the slowest);
 6. KV events go to the router's :class:`~atom.kv_subscriber.KVCacheIndex` (``cache_aware``),
    finished requests release their router load, and with a trace folder every rank's row is
    written in the ``--dp-trace`` format (:mod:`atom.dp.dp_trace`, on the simulated clock).
@@ -101,6 +102,7 @@ class Simulator:
         self.trace = (None if trace_dir is None else
                       SimTraceWriter(trace_dir, dp_size=n, policy=self.decider.policy.name))
         self.max_ticks = max_ticks
+        self._rank_ends_s: list[float] = []  # each rank's last step end (the trace's clock)
         self.now_s = 0.0
         self.tick = 0
         self.wave_id = 0
@@ -183,18 +185,20 @@ class Simulator:
         cost = self.cost.step([r.micro_batches(s, tbo=tbo) for r, s in zip(self.ranks, scheds)])
         self.step_log.append((self.tick - 1, cost))
         self.now_s += cost.total_s
-        self._complete(scheds)
+        ends_s = [start_s + done for done in cost.rank_done_s]
+        self._complete(scheds, ends_s)
         self.last_shapes = shapes
         if self.trace is not None:
-            self._trace(gathered, decision, shapes, start_s)
+            self._trace(gathered, decision, shapes, start_s, ends_s)
         self.samples.append((self.tick - 1, start_s,
                              [r.scheduler.num_running + r.scheduler.num_waiting for r in self.ranks],
                              [r.block_manager.kv_usage for r in self.ranks]))
 
-    def _complete(self, scheds: list[SchedulerOutput]) -> None:
-        """Postprocess every rank's step; release finished requests; feed the KV index."""
-        for rank, sched in zip(self.ranks, scheds):
-            for record in rank.complete(sched, end_s=self.now_s, tick=self.tick - 1):
+    def _complete(self, scheds: list[SchedulerOutput], ends_s: list[float]) -> None:
+        """Postprocess every rank's step (its outputs at ``ends_s[r]``); release finished
+        requests; feed the KV index."""
+        for rank, sched, end_s in zip(self.ranks, scheds, ends_s):
+            for record in rank.complete(sched, end_s=end_s, tick=self.tick - 1):
                 self.router.release(record.request.request_id)
             events = rank.block_manager.take_events()  # taken every step, as the core does
             if self.index is not None:
@@ -210,14 +214,18 @@ class Simulator:
         self.last_shapes = None
 
     def _trace(self, gathered: GatheredControl, decision: Decision, shapes: GatheredBatchShape,
-               start_s: float) -> None:
-        start_ns = round(start_s * 1e9)
-        synced_ns = start_ns + round(self.cost.c.tick_s * 1e9)
-        end_ns = round(self.now_s * 1e9)
+               start_s: float, ends_s: list[float]) -> None:
+        """Every rank's row as a real rank writes it: the tick starts when the rank's last step
+        ended (the group's start after an idle gap), its sync ends with the group's (a rank
+        that finished early waits there), its step ends with its own forward."""
+        contiguous = self._rank_ends_s and abs(max(self._rank_ends_s) - start_s) < 1e-9
+        starts = self._rank_ends_s if contiguous else [start_s] * len(self.ranks)
+        synced_ns = round((start_s + self.cost.c.tick_s) * 1e9)
         for r in range(len(self.ranks)):
             self.trace.write(r, tick_row(dp_rank=r, gathered=gathered, decision=decision,
-                                         shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
-                                         end_ns=end_ns))
+                                         shapes=shapes, start_ns=round(starts[r] * 1e9),
+                                         synced_ns=synced_ns, end_ns=round(ends_s[r] * 1e9)))
+        self._rank_ends_s = ends_s
 
     def close(self) -> None:
         if self.trace is not None:

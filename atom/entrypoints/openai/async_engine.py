@@ -48,6 +48,7 @@ class _Add:
     prompt: str | None
     session_id: str | None
     stream: "_Stream"
+    kv_transfer_params: Any = None
 
 
 @dataclass
@@ -113,10 +114,11 @@ class AsyncEngine:
     # ----- asyncio side -----
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, prompt: str | None = None,
-                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Run one request (of session ``session_id``, for the DP router); yields its
-        outputs, the last one finished.
+                       *, prompt: str | None = None, session_id: str | None = None,
+                       kv_transfer_params: Any = None) -> AsyncIterator[RequestOutput]:
+        """Run one request (of session ``session_id``, for the DP router; with
+        ``kv_transfer_params``, a :class:`~atom.messages.KVTransferParams`: its P/D half);
+        yields its outputs, the last one finished.
 
         Closing the iterator early (or cancelling the task awaiting it) aborts the request, so
         its KV blocks are freed within a step.
@@ -126,7 +128,8 @@ class AsyncEngine:
             ValueError: ``request_id`` is already in use.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, session_id, stream))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, session_id, stream,
+                          kv_transfer_params))
         finished = False
         try:
             while not finished:
@@ -206,7 +209,9 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
                                         command.params, prompt=command.prompt,
-                                        session_id=command.session_id)
+                                        session_id=command.session_id,
+                                        **({} if command.kv_transfer_params is None else
+                                           {"kv_transfer_params": command.kv_transfer_params}))
             except ValueError as exc:  # a duplicate id: that request fails, nothing else
                 self._streams.pop(command.request_id)
                 command.stream.put(exc)

@@ -56,6 +56,11 @@ _ENGINE_GAUGES = (
      "Speculative decoding: accepted / proposed draft tokens since start (0-1)."),
     ("atom:spec_decode_mean_tokens_per_forward", "spec_mean_tokens_per_forward",
      "Speculative decoding: tokens emitted per verify since start (1 .. k + 1)."),
+    # P/D (--kv-role; atom.kv_transfer)
+    ("atom:kv_transfer_kept_blocks", "kv_kept_blocks",
+     "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
+    ("atom:num_requests_waiting_for_remote_kvs", "num_waiting_for_remote_kvs",
+     "Consumer: sequences whose prompt KV is being pulled from a producer."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -86,6 +91,16 @@ _ENGINE_COUNTERS = (
      "Sequences x steps that verified drafts."),
     ("atom:spec_decode_num_verify_steps", "spec_num_verify_steps",
      "Forward steps in which some sequence verified drafts."),
+    # P/D (--kv-role; atom.kv_transfer)
+    ("atom:kv_transfers", "kv_transfers",
+     "KV transfers completed (consumer: pulls received; producer: pulls confirmed)."),
+    ("atom:kv_transfer_bytes", "kv_transfer_bytes", "KV bytes received (consumer) or sent (producer)."),
+    ("atom:kv_transfer_seconds", "kv_transfer_seconds",
+     "Consumer: seconds from a pull's start to its last byte, summed."),
+    ("atom:kv_transfer_failures", "kv_transfer_failures",
+     "Consumer: pulls that failed (layout mismatch, producer gone, bad checksum)."),
+    ("atom:kv_transfer_timeouts", "kv_transfer_timeouts",
+     "Producer: kept requests freed on the keep timeout; consumer: pulls the producer never answered."),
 )
 _ROUTER_PREFIX = "dp_router_decisions_"
 # (metric name, front-end stats key, help): the DP router's KV event subscriber

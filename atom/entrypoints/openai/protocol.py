@@ -54,6 +54,9 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # P/D disaggregation (atom.kv_connector; set by atom pd-proxy): the fields of
+    # atom.messages.KVTransferParams
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -140,6 +143,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a P/D producer's: where its KV is
 
 
 class TopLogprob(BaseModel):
@@ -176,6 +180,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # a P/D producer's: where its KV is
 
 
 class DeltaMessage(BaseModel):

@@ -27,7 +27,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from atom.messages import check_token_ids
+import msgspec
+
+from atom.messages import KVTransferParams, check_token_ids
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.outputs import CompletionOutput, RequestOutput
@@ -99,6 +101,7 @@ class UsageTally:
     prompt_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     completion_tokens: int = 0
+    kv_transfer_params: dict | None = None  # a P/D producer's finished prefill: for the response
 
     def usage(self) -> p.Usage:
         prompt = sum(self.prompt_tokens)
@@ -187,6 +190,22 @@ class OpenAIServing:
                 f"{params.max_tokens or 1} in the completion). Reduce the length of the {param} "
                 f"or the completion.", param=param, code="context_length_exceeded")
 
+    def kv_transfer_params(self, req: p._SamplingFields,
+                           prompts: list[_Prompt]) -> KVTransferParams | None:
+        """The request's P/D params (:class:`~atom.messages.KVTransferParams`), or None.
+
+        Raises:
+            APIError: malformed params, or more than one prompt (one request per P/D pair).
+        """
+        if req.kv_transfer_params is None:
+            return None
+        if len(prompts) != 1:
+            raise APIError("kv_transfer_params needs exactly one prompt", param="kv_transfer_params")
+        try:
+            return msgspec.convert(req.kv_transfer_params, KVTransferParams)
+        except msgspec.ValidationError as exc:
+            raise APIError(f"kv_transfer_params: {exc}", param="kv_transfer_params") from exc
+
     # ----- prompts -----
 
     def completion_prompts(self, prompt: str | list) -> list[_Prompt]:
@@ -231,19 +250,25 @@ class OpenAIServing:
     # ----- running -----
 
     async def outputs(self, prompts: list[_Prompt], params: SamplingParams, *,
-                      session_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      session_id: str | None = None,
+                      kv_transfer_params: KVTransferParams | None = None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt_index, output)`` of every prompt's request, as the engine produces them
-        (every one in session ``session_id``, for the DP router).
+        (every one in session ``session_id``, for the DP router; ``kv_transfer_params``: the
+        one prompt's P/D half).
 
         Closing the iterator aborts the requests still running.
         """
         base = uuid.uuid4().hex
         updates: asyncio.Queue = asyncio.Queue()
 
+        extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+
         async def pump(i: int, prompt: _Prompt) -> None:
             try:
                 async for out in self.engine.generate(f"{base}-{i}", prompt.token_ids, params,
-                                                      prompt=prompt.text, session_id=session_id):
+                                                      prompt=prompt.text, session_id=session_id,
+                                                      **extra):
                     updates.put_nowait((i, out))
             except Exception as exc:  # the consumer re-raises it
                 updates.put_nowait((i, exc))
@@ -262,7 +287,8 @@ class OpenAIServing:
                 task.cancel()  # a running request's generator aborts it on the way out
 
     async def deltas(self, prompts: list[_Prompt], params: SamplingParams, tally: UsageTally, *,
-                     session_id: str | None = None) -> AsyncIterator[Delta]:
+                     session_id: str | None = None,
+                     kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[Delta]:
         """Per-choice deltas; ``tally`` holds the usage once the iterator is exhausted.
 
         Raises:
@@ -272,8 +298,11 @@ class OpenAIServing:
         cursors = [[_ChoiceCursor() for _ in range(params.n)] for _ in prompts]
         tally.prompt_tokens = [len(x.token_ids) for x in prompts]
         tally.cached_tokens = [0] * len(prompts)
-        async for i, out in self.outputs(prompts, params, session_id=session_id):
+        async for i, out in self.outputs(prompts, params, session_id=session_id,
+                                         kv_transfer_params=kv_transfer_params):
             tally.cached_tokens[i] = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                tally.kv_transfer_params = msgspec.to_builtins(out.kv_transfer_params)
             for c in out.outputs:
                 if c.finish_reason == "error" and out.extra.get("rank_failure"):
                     raise APIError(c.error or "the ranks running the request were lost",

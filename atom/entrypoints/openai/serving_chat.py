@@ -35,7 +35,8 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     tally = UsageTally()
     header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                   model=serving.model_name)
-    deltas = serving.deltas([prompt], params, tally, session_id=session_id)
+    deltas = serving.deltas([prompt], params, tally, session_id=session_id,
+                            kv_transfer_params=serving.kv_transfer_params(req, [prompt]))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(serving, deltas, tally, num_top=num_top, include_usage=include_usage,
@@ -51,7 +52,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         if logprobs is not None:
             choice.logprobs.content.extend(logprobs.content)
     return p.ChatCompletionResponse(**header, choices=[choices[i] for i in sorted(choices)],
-                                    usage=tally.usage())
+                                    usage=tally.usage(), kv_transfer_params=tally.kv_transfer_params)
 
 
 def _logprobs(serving: OpenAIServing, delta: Delta, num_top: int | None) -> p.ChatLogprobs | None:

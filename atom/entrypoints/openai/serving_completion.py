@@ -43,7 +43,8 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
     tally = UsageTally()
     header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=serving.model_name)
     format_choice = _ChoiceFormatter(serving, prompts, echo=req.echo, num_top=req.logprobs)
-    deltas = serving.deltas(prompts, params, tally, session_id=session_id)
+    deltas = serving.deltas(prompts, params, tally, session_id=session_id,
+                            kv_transfer_params=serving.kv_transfer_params(req, prompts))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(deltas, format_choice, tally, include_usage=include_usage, header=header)
@@ -55,7 +56,7 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
         else:
             choices[delta.index] = choice
     return p.CompletionResponse(**header, choices=[choices[i] for i in sorted(choices)],
-                                usage=tally.usage())
+                                usage=tally.usage(), kv_transfer_params=tally.kv_transfer_params)
 
 
 def _merge(into: p.CompletionChoice, more: p.CompletionChoice) -> None:

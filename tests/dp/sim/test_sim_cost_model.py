@@ -1,8 +1,11 @@
 """The cost model's form from hand-made micro-batches (the slowest-rank rule, dummy batches,
+the ranks' contention,
 expert parallelism's MLP on the largest batch and its collectives, TBO), the features read
 from scheduled sequences, profiles (JSON round trip, the committed ones) and the fit."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -40,6 +43,22 @@ def test_dense_step_is_the_slowest_rank_plus_the_tick():
     assert mean.compute_s == pytest.approx((decode + prefill + 3.0) / 3)
     free = CostModel(Profile(C), dummy_cost=False)
     assert free.step([[DUMMY], [DUMMY]]).total_s == 0.5
+    # each rank's outputs leave when its own forward ends; the slowest's at the step's end
+    assert cost.rank_done_s == pytest.approx((0.5 + decode, cost.total_s, 0.5 + 3.0))
+
+
+def test_contention_slows_a_rank_by_the_share_of_the_others_computing():
+    model = CostModel(Profile(dataclasses.replace(C, contention=0.2)))
+    decode = 27.0  # as above; the prefill rank computes beside it, the dummy rank does not
+    cost = model.step([[DECODE], [PREFILL], [DUMMY]])
+    assert cost.compute_s == pytest.approx(117.3 * (1 + 0.2 * 1 / 2))
+    assert cost.others_busy == 0.5
+    alone = model.step([[DECODE], [DUMMY], [DUMMY]])
+    assert alone.compute_s == pytest.approx(decode) and alone.others_busy == 0.0
+    # with expert parallelism every rank runs the experts on the M rows: all compute
+    ep = CostModel(Profile(dataclasses.replace(C, contention=0.2)), expert_parallel=True)
+    assert ep.step([[DECODE], [DUMMY]]).others_busy == 1.0
+    assert ep.step([[DUMMY], [DUMMY]]).others_busy == 0.0  # M = 0: no experts run
 
 
 def test_expert_parallel_mlp_runs_on_the_largest_batch():
@@ -53,6 +72,7 @@ def test_expert_parallel_mlp_runs_on_the_largest_batch():
     two = model.step([[DECODE, DECODE], [PREFILL, DUMMY]])  # TBO: 2 micro-batches, each M
     assert two.num_micro_batches == 2 and two.ep_s == pytest.approx(2 * (4.0 + 0.1 * 100))
     assert model.step([[DUMMY], [DUMMY]]).ep_s == 0.0  # M = 0: no collectives at all
+    assert cost.rank_done_s == (cost.total_s, cost.total_s)  # the layers' collectives wait
 
 
 def seq(num_prompt: int, *, computed: int, outputs: int = 0) -> Sequence:

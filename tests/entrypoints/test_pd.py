@@ -1,0 +1,210 @@
+"""Prefill/decode disaggregation end to end: a producer (``atom serve --kv-role producer``), a
+consumer (``--kv-role consumer``) and ``atom pd-proxy`` in front, real processes, fp32, the
+embedded model. The reference is the producer itself serving plain requests: a single
+colocated engine with the same options (its prefix cache then also gives the P/D requests
+prefix hits on the producer).
+
+The tests share one set of servers and run in file order; the last one kills the producer."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.entrypoints.remote_server import ATOM, MODEL, RemoteServer, _free_port
+
+# 64-token steps so that the long prompt below is a chunked prefill on the producer
+_COMMON = ("--max-num-batched-tokens", "64")
+KEEP_TIMEOUT_S = 8.0
+PULL_TIMEOUT_S = 5.0
+
+
+class Proxy:
+    def __init__(self, prefill: str, decode: str):
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.proc = subprocess.Popen([ATOM, "pd-proxy", "--prefill", prefill, "--decode", decode,
+                                      "--port", self.url.rsplit(":", 1)[1], "--log-level", "WARNING"],
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)  # polling a process that is starting
+        raise RuntimeError("atom pd-proxy did not come up")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def pd():
+    producer = RemoteServer(*_COMMON, "--kv-role", "producer",
+                            "--kv-transfer-keep-timeout-s", str(KEEP_TIMEOUT_S))
+    consumer = RemoteServer(*_COMMON, "--kv-role", "consumer",
+                            "--kv-transfer-timeout-s", str(PULL_TIMEOUT_S))
+    proxy = Proxy(producer.url, consumer.url)
+    yield producer, consumer, proxy
+    proxy.stop()
+    consumer.stop()
+    producer.stop()
+
+
+def wait_kv_free(server: RemoteServer, timeout_s: float = 15.0) -> None:
+    """Liveness: every KV block of ``server`` is free within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while server.metric("atom:num_kv_blocks_used") != 0:
+        assert time.monotonic() < deadline, (f"{server.url}: {server.metric('atom:num_kv_blocks_used')} "
+                                             f"KV blocks still in use")
+        time.sleep(0.2)  # polling a gauge
+
+
+PROMPTS = [
+    "The capital of France is",
+    "List three colors:",
+    "Tell me a story about a dragon who learns to cook. " * 12,  # ~150 tokens: 3 chunks
+    "Tell me a story about a dragon who learns to cook. " * 12 + "Start now.",  # prefix hit
+    "Explain photosynthesis to a child in simple words.",
+    "What is two plus two?",  # EOS first: no KV kept, the proxy sends it on as a plain request
+]
+
+
+def complete(client: openai.OpenAI, prompt: str, *, stream: bool) -> str:
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
+                   if c.choices)
+
+
+def test_pd_completions_equal_the_colocated_engine(pd):
+    producer, consumer, proxy = pd
+    reference = [complete(producer.client(), p, stream=False) for p in PROMPTS]
+    assert all(reference[:-1]) and reference[-1] == ""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # one mixed batch at a time
+        for stream in (False, True):
+            got = list(pool.map(lambda p: complete(proxy.client(), p, stream=stream), PROMPTS))
+            assert got == reference, f"stream={stream}"
+    assert consumer.metric("atom:kv_transfers_total") >= len(PROMPTS) - 1
+    assert consumer.metric("atom:kv_transfer_bytes_total") > 0
+    assert producer.metric("atom:prefix_cache_hits_total") > 0
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+                temperature=0.0)
+    assert (proxy.client().chat.completions.create(**chat).choices[0].message.content
+            == producer.client().chat.completions.create(**chat).choices[0].message.content)
+    resp = httpx.post(proxy.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+    assert resp.status_code == 400 and "n > 1" in resp.json()["error"]["message"]
+    wait_kv_free(producer)
+    wait_kv_free(consumer)
+    assert producer.metric("atom:kv_transfer_timeouts_total") == 0
+
+
+def prefill(producer: RemoteServer, prompt: str) -> dict:
+    """The producer's half of a P/D request, as the proxy sends it: the kept KV's params."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    resp = producer.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    params = resp.json()["kv_transfer_params"]
+    assert params is not None, resp.text  # None: the first token ended the request (EOS)
+    assert params["do_remote_prefill"] and params["remote_block_ids"]
+    return params
+
+
+def decode_body(prompt: str, params: dict, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "kv_transfer_params": params, **extra}
+
+
+def test_unpulled_kv_is_freed_after_the_keep_timeout(pd):
+    """A consumer that never pulls (it died after the prefill): the producer frees on its keep
+    timeout; the stale params then fail on a consumer with an error."""
+    producer, consumer, _ = pd
+    before = producer.metric("atom:kv_transfer_timeouts_total")
+    params = prefill(producer, "One, two, three, four,")
+    assert producer.metric("atom:kv_transfer_kept_blocks") == len(params["remote_block_ids"])
+    wait_kv_free(producer, timeout_s=KEEP_TIMEOUT_S + 10)
+    assert producer.metric("atom:kv_transfer_timeouts_total") == before + 1
+    resp = consumer.post("/v1/completions", json=decode_body("One, two, three, four,", params))
+    assert resp.status_code == 400 and "holds no KV" in resp.json()["error"]["message"]
+    wait_kv_free(consumer)
+
+
+def engine_processes(server: RemoteServer) -> list[psutil.Process]:
+    parent = psutil.Process(server.proc.pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def test_client_disconnect_mid_transfer_frees_both_sides(pd):
+    """The producer is frozen (SIGSTOP) so the consumer's pull is in flight when the client
+    leaves: the consumer aborts and frees at once, and releases the producer's kept blocks."""
+    producer, consumer, _ = pd
+    before = producer.metric("atom:kv_transfer_timeouts_total")
+    failures_before = consumer.metric("atom:kv_transfer_failures_total")
+    prompt = "Once upon a time, there was a"
+    params = prefill(producer, prompt)
+    procs = engine_processes(producer)
+    for p in procs:
+        p.suspend()
+    try:
+        # a raw connection: an HTTP client would wait for the response headers, which a
+        # stream only sends with its first token, after the pull
+        body = json.dumps(decode_body(prompt, params, stream=True)).encode()
+        with socket.create_connection(("127.0.0.1", int(consumer.url.rsplit(":", 1)[1]))) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 10
+            while consumer.metric("atom:num_requests_waiting_for_remote_kvs") != 1:
+                assert time.monotonic() < deadline, "the pull never started"
+                time.sleep(0.1)  # polling a gauge
+        # the client is gone
+        wait_kv_free(consumer)  # aborted while the producer is still frozen
+        assert consumer.metric("atom:kv_transfer_failures_total") == failures_before  # not timed out
+    finally:
+        for p in procs:
+            p.resume()
+    wait_kv_free(producer, timeout_s=KEEP_TIMEOUT_S - 2)  # released, not timed out
+    assert producer.metric("atom:kv_transfer_timeouts_total") == before
+
+
+def test_producer_killed_mid_transfer_fails_the_request_and_the_consumer_stays_healthy(pd):
+    """The producer is frozen while the consumer's pull is in flight, then killed: the request
+    fails with an error (the pull timeout), the consumer frees its blocks and serves on."""
+    producer, consumer, _ = pd
+    prompt = "The capital of Italy is"
+    params = prefill(producer, prompt)
+    procs = engine_processes(producer)
+    for p in procs:
+        p.suspend()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(consumer.post, "/v1/completions", json=decode_body(prompt, params))
+        deadline = time.monotonic() + 10
+        while consumer.metric("atom:num_requests_waiting_for_remote_kvs") != 1:
+            assert time.monotonic() < deadline, "the pull never started"
+            time.sleep(0.1)  # polling a gauge
+        for p in procs:
+            p.kill()
+        resp = pending.result()
+    producer.proc.wait(30)
+    assert resp.status_code == 400
+    assert "no reply from the producer" in resp.json()["error"]["message"]
+    wait_kv_free(consumer)
+    assert httpx.get(consumer.url + "/health", timeout=10).status_code == 200
+    out = consumer.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                               temperature=0.0)
+    assert out.choices[0].text
