@@ -165,18 +165,22 @@ class EngineConfig:
     (a) of docs/ARCHITECTURE.md, "Models")."""
     speculative_method: str | None = None
     """Speculative decoding: ngram (prompt lookup: propose what followed the last n tokens
-    earlier in the sequence), draft (an early-exit draft of the target: its first
-    draft_num_layers layers, final norm and LM head, on the target's own KV cache) or None = off.
-    Outputs keep the target's distribution at any temperature (rejection sampling)."""
+    earlier in the sequence), draft (a draft model: draft_model with its own KV cache, or
+    without it an early-exit draft of the target: its first draft_num_layers layers, final
+    norm and LM head, on the target's own KV cache) or None = off. Outputs keep the target's
+    distribution at any temperature (rejection sampling)."""
     num_speculative_tokens: int = 3
     """Speculative decoding: most draft tokens a decode verifies per step (k; a step emits up
     to k + 1 tokens per sequence)."""
     draft_model: str | None = None
-    """Speculative decoding (draft): a separate draft model (not supported yet: use
-    draft_num_layers for the early-exit draft)."""
+    """Speculative decoding (draft): a separate draft model, a GGUF file or Hugging Face folder
+    with the target's vocabulary (the same tokenizer), run in the target's dtype with a KV cache
+    of its own (paged like the target's: the same block ids; the KV memory budget covers both);
+    None = the early-exit draft of the target (draft_num_layers)."""
     draft_num_layers: int | None = None
-    """Speculative decoding (draft): layers of the early-exit draft, 1 .. the target's layers
-    (all layers: the draft is the target and accepts every draft token)."""
+    """Speculative decoding (draft): layers the draft runs, 1 .. its layers: the early-exit
+    draft's (required without draft_model; all layers: the draft is the target and accepts
+    every draft token), or the first layers of draft_model (default: all)."""
     prompt_lookup_min: int = 1
     """Speculative decoding (ngram): shortest n-gram matched (tokens)."""
     prompt_lookup_max: int = 3
@@ -251,12 +255,12 @@ class EngineConfig:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.speculative_method == "draft":
-            if self.draft_model is not None:
-                raise ValueError("draft_model: a separate draft model is not supported yet; use "
-                                 "draft_num_layers (the early-exit draft of the target)")
-            if self.draft_num_layers is None or self.draft_num_layers < 1:
-                raise ValueError(f"speculative_method='draft' needs draft_num_layers >= 1 (got "
-                                 f"{self.draft_num_layers}): the early-exit draft's layer count")
+            if self.draft_model is None and self.draft_num_layers is None:
+                raise ValueError("speculative_method='draft' needs draft_model (a draft model "
+                                 "file or folder) or draft_num_layers (the early-exit draft's "
+                                 "layer count)")
+            if self.draft_num_layers is not None and self.draft_num_layers < 1:
+                raise ValueError(f"draft_num_layers={self.draft_num_layers} must be >= 1")
 
     def _check_kv_transfer(self) -> None:
         """The P/D settings (``__post_init__``). Raises ValueError."""

@@ -6,6 +6,13 @@ the argmax of the draft's logits, so the proposal is a point mass, as
 draft ``j`` at position ``len(token_ids) - 1 + j``. Lineage: early-exit / self-speculative
 drafting (LayerSkip, Elhoushi et al. 2024; Draft & Verify, Zhang et al. 2023).
 
+**A separate draft model** (``--draft-model``) runs the same way on its own runner: its KV
+cache has the target's geometry in blocks (the same block ids, its own heads and layers), and
+its forward runs on every step's batch beside the target's (``ModelRunner.shadow_model``), so
+it holds the draft's KV of every token whose target KV exists (prefix-cache hits included:
+a block's two caches are written by the same steps). Not for a P/D consumer's pulled blocks,
+which bring the target's KV only: drafts there are poor, still verified exactly.
+
 **KV cache: the target's own first ``L`` layers, reused.** The draft's layer ``i < L`` is the
 target's layer ``i`` with the same weights, so for every token whose KV the target computed,
 the draft's KV at layers ``< L`` is exactly what the target's cache already holds: the draft
@@ -30,7 +37,9 @@ class EarlyExitProposer(Proposer):
     """Drafts with the first ``num_layers`` layers of the model runner's model.
 
     Args:
-        runner: the target's :class:`atom.model_runner.ModelRunner` (its model and KV cache).
+        runner: the target's :class:`atom.model_runner.ModelRunner` (its model and KV cache),
+            or a separate draft model's (``--draft-model``: its own KV cache, which its forward
+            beside every target step keeps filled, ``ModelRunner.shadow_model``).
         num_layers: draft layers, 1 .. the target's layer count.
     Raises:
         ValueError: ``num_layers`` outside that range.
@@ -42,7 +51,7 @@ class EarlyExitProposer(Proposer):
         num_target_layers = runner.arch_config.num_hidden_layers
         if not 1 <= num_layers <= num_target_layers:
             raise ValueError(f"draft_num_layers={num_layers} must be in 1..{num_target_layers} "
-                             f"(the target's layers)")
+                             f"(the draft model's layers)")
         self.runner = runner
         self.num_layers = num_layers
 

@@ -124,6 +124,11 @@ class EngineCore:
         arch, weights = load_model_weights(config.model, dtype)
         max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         bytes_per_block = ModelRunner.kv_cache_bytes_per_block(arch, dtype=dtype, block_size=config.block_size)
+        draft = None if config.draft_model is None else _load_draft_model(
+            config.draft_model, dtype, target=arch, max_model_len=max_model_len)
+        if draft is not None:  # its cache has the target's blocks: the budget covers both
+            bytes_per_block += ModelRunner.kv_cache_bytes_per_block(
+                draft[0], dtype=dtype, block_size=config.block_size)
         num_blocks = config.resolved_num_kv_blocks(bytes_per_block)
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
@@ -143,7 +148,10 @@ class EngineCore:
         self.kv_connector = _start_kv_connector(config, self.runner, KVLayout(
             dtype=dtype_name, block_size=config.block_size, num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim, num_layers=arch.num_hidden_layers))
-        self.draft_proposer, ngram = _make_proposers(config, self.runner)
+        draft_runner = None if draft is None else ModelRunner(
+            *draft, dtype=dtype, num_kv_blocks=num_blocks, block_size=config.block_size,
+            max_model_len=max_model_len)
+        self.draft_proposer, ngram = _make_proposers(config, self.runner, draft_runner)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, max_model_len), self.block_manager,
             eos_token_ids=eos, proposer=ngram,
@@ -553,9 +561,12 @@ def prefix_cache_hit_rate(hits: int, queries: int) -> float:
     return hits / queries if queries else 0.0
 
 
-def _make_proposers(config: EngineConfig, runner):
+def _make_proposers(config: EngineConfig, runner, draft_runner=None):
     """(model-based proposer run by the core, in-scheduler proposer) for ``config``'s
-    ``speculative_method``; (None, None) when speculative decoding is off."""
+    ``speculative_method``; (None, None) when speculative decoding is off. ``draft_runner``:
+    the separate draft model's runner (``draft_model``); it then runs every step's forward
+    beside the target's (``ModelRunner.shadow_model``), so its own KV cache holds what the
+    target's does."""
     if config.speculative_method == "ngram":
         from atom.proposer import NgramProposer
 
@@ -564,8 +575,33 @@ def _make_proposers(config: EngineConfig, runner):
     if config.speculative_method == "draft":
         from atom.draft_proposer import EarlyExitProposer
 
-        return EarlyExitProposer(runner, num_layers=config.draft_num_layers), None
+        if draft_runner is None:
+            return EarlyExitProposer(runner, num_layers=config.draft_num_layers), None
+        runner.shadow_model = draft_runner.model
+        return EarlyExitProposer(draft_runner, num_layers=config.draft_num_layers
+                                 or draft_runner.arch_config.num_hidden_layers), None
     return None, None
+
+
+def _load_draft_model(path: str, dtype, *, target, max_model_len: int):
+    """The draft model's (architecture, weights) for the target's architecture ``target``.
+
+    Raises:
+        ValueError: the draft cannot be loaded, its vocabulary is not the target's (a draft
+            must share the target's tokenizer), or it has fewer positions than
+            ``max_model_len``.
+    """
+    from atom.model_loader import load_model_weights
+
+    arch, weights = load_model_weights(path, dtype)
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(f"draft_model {path}: vocabulary of {arch.vocab_size} tokens, the "
+                         f"target's has {target.vocab_size}: a draft must share the target's "
+                         "tokenizer")
+    if arch.max_position_embeddings < max_model_len:
+        raise ValueError(f"draft_model {path}: {arch.max_position_embeddings} positions, fewer "
+                         f"than max_model_len={max_model_len}: lower --max-model-len")
+    return arch, weights
 
 
 def _start_publisher(config: EngineConfig, dp_rank: int):

@@ -111,6 +111,9 @@ class ModelRunner:
             for _ in range(arch_config.num_hidden_layers)
         ]
         self.model.bind_kv_caches(self.kv_caches)
+        # a separate draft model (speculative decoding) that runs every step's forward too, on
+        # its own KV cache with the same block ids (atom.engine_core._make_proposers)
+        self.shadow_model = None
         if self.device.type == "cpu":
             # Build (first run on this machine: about a minute) or load the compiled attention
             # kernels now, not inside the first decode step: a DP rank compiling mid-step would
@@ -162,6 +165,8 @@ class ModelRunner:
             return self._execute_two_micro_batches(scheduled)
         batch = self._prepare([(seq, 0, n) for seq, n in scheduled], num_padding_tokens)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if self.shadow_model is not None:  # the draft's KV for the same tokens
+            self.shadow_model(batch.input_ids, batch.positions, batch.attn_metadata)
         return self._outputs([(batch, hidden)])
 
     def _execute_two_micro_batches(self, scheduled: list[tuple[Sequence, int]]) -> ModelOutput:
@@ -170,6 +175,9 @@ class ModelRunner:
         batches = [self._prepare(half, 0) for half in split_batch(scheduled)]
         micro_batches = [MicroBatch(b.input_ids, b.positions, b.attn_metadata) for b in batches]
         forward_micro_batches(self.model, micro_batches)
+        if self.shadow_model is not None:
+            for b in batches:
+                self.shadow_model(b.input_ids, b.positions, b.attn_metadata)
         return self._outputs([(b, mb.hidden) for b, mb in zip(batches, micro_batches)])
 
     def _outputs(self, parts: list[tuple[_Batch, torch.Tensor]]) -> ModelOutput:

@@ -1,10 +1,11 @@
 """Speculative decoding end to end on the embedded model (fp32, one rank).
 
-Greedy outputs with the n-gram proposer and with the early-exit draft equal the non-speculative
-outputs token for token (the tie-aware comparator of tests/utils.py); a draft identical to the
-target (all layers) accepts every draft, k + 1 tokens per verify; a stop string, EOS (with and
-without ``min_tokens``), preemption and an abort between scheduling and the verify forward cut
-exactly and leave every KV block free.
+Greedy outputs with the n-gram proposer, the early-exit draft and a separate draft model (the
+embedded GGUF file loaded again with its own KV cache, 24 of its 30 layers) equal the
+non-speculative outputs token for token (the tie-aware comparator of tests/utils.py); a draft
+identical to the target (the separate model, all layers) accepts every draft, k + 1 tokens per
+verify; a stop string, EOS (with and without ``min_tokens``), preemption and an abort between
+scheduling and the verify forward cut exactly and leave every KV block free.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.config import EngineConfig
+from atom.embedded_model import embedded_gguf_path
 from atom.engine import LLMEngine
 from tests.utils import check_greedy_close, ours_greedy
 
@@ -34,8 +36,10 @@ def engines():
         "ngram": LLM(**COMMON, speculative_method="ngram", num_speculative_tokens=K),
         "draft": LLM(**COMMON, speculative_method="draft", num_speculative_tokens=K,
                      draft_num_layers=24),
+        "draft_model": LLM(**COMMON, speculative_method="draft", num_speculative_tokens=K,
+                           draft_model=str(embedded_gguf_path()), draft_num_layers=24),
         "target": LLM(**COMMON, speculative_method="draft", num_speculative_tokens=K,
-                      draft_num_layers=30),
+                      draft_model=str(embedded_gguf_path())),
     }
     yield built
     for llm in built.values():
@@ -48,7 +52,7 @@ def _assert_all_blocks_free(llm: LLM) -> None:
     assert stats["num_running"] == stats["num_waiting"] == 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft_model"])
 def test_greedy_outputs_equal_non_speculative(engines, method):
     ref = ours_greedy(engines["base"].generate(PROMPTS, GREEDY))
     llm = engines[method]

@@ -14,6 +14,7 @@ import torch
 
 from atom import SamplingParams
 from atom.config import EngineConfig
+from atom.embedded_model import embedded_gguf_path
 from atom.engine import LLMEngine
 from tests.spec_utils import homogeneity_p_value, wrong_rule
 
@@ -85,3 +86,12 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(tiny_llama, reference, monk
     p_values = [homogeneity_p_value(counts[pos], reference[pos]) for pos in range(MAX_TOKENS)]
     print(f"wrong rule: chi-square p-values by position: {p_values}")
     assert min(p_values) < CONTROL_P_VALUE
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama):
+    config = EngineConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True,
+                          num_kv_blocks=16, max_model_len=64, num_threads=1,
+                          speculative_method="draft", draft_model=str(embedded_gguf_path()))
+    with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the target's has 16: a "
+                                         r"draft must share the target's tokenizer"):
+        LLMEngine(config)

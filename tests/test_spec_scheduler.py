@@ -218,8 +218,8 @@ def test_ngram_proposer_rejects_bad_lengths():
     ({"speculative_method": "medusa"}, "not supported"),
     ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"speculative_method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
-    ({"speculative_method": "draft"}, "draft_num_layers"),
-    ({"speculative_method": "draft", "draft_model": "x.gguf", "draft_num_layers": 2}, "not supported yet"),
+    ({"speculative_method": "draft"}, "draft_model .* or draft_num_layers"),
+    ({"speculative_method": "draft", "draft_model": "x.gguf", "draft_num_layers": 0}, "must be >= 1"),
 ])
 def test_speculative_options_are_checked(options, match):
     from atom.config import EngineConfig
