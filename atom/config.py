@@ -196,8 +196,8 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"
     """Producer: the address its KV transfer socket binds and that it tells consumers."""
     kv_transfer_port: int = 0
-    """Producer: TCP port of its KV transfer socket (0 = OS-chosen; the bound port travels in
-    the kv_transfer_params of each response)."""
+    """Producer: TCP port of its KV transfer socket, DP rank r's at port + r (0 = OS-chosen;
+    the bound port travels in the kv_transfer_params of each response)."""
     kv_transfer_keep_timeout_s: float = 60.0
     """Producer: seconds a finished prefill's KV blocks are kept for a consumer that never
     pulls or confirms them (it died, or the client left), then freed."""
@@ -267,9 +267,9 @@ class EngineConfig:
         if self.kv_role is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role={self.kv_role!r} is not supported: use one of {KV_ROLES} "
                              f"or leave it unset")
-        if self.kv_role is not None and self.data_parallel_size > 1:
-            raise ValueError("kv_role with data_parallel_size > 1 is not supported yet: run one "
-                             "rank per P/D instance (several instances behind atom pd-proxy)")
+        if self.kv_transfer_port and self.kv_transfer_port + self.data_parallel_size > 65536:
+            raise ValueError(f"kv_transfer_port={self.kv_transfer_port}: DP rank r binds port + r, "
+                             f"past 65535 with {self.data_parallel_size} ranks")
         if not 0 <= self.kv_transfer_port < 65536:
             raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be in [0, 65535]")
         for name in ("kv_transfer_keep_timeout_s", "kv_transfer_timeout_s"):

@@ -145,7 +145,7 @@ class EngineCore:
                                      kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.kv_connector = _start_kv_connector(config, self.runner, KVLayout(
+        self.kv_connector = _start_kv_connector(config, self.runner, dp_rank, KVLayout(
             dtype=dtype_name, block_size=config.block_size, num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim, num_layers=arch.num_hidden_layers))
         draft_runner = None if draft is None else ModelRunner(
@@ -319,7 +319,7 @@ class EngineCore:
         loop: every rank must run the same number of draft forwards, agreed in the exchange,
         then :meth:`run_drafts`)."""
         if self.kv_connector is not None:
-            self._apply_kv_connector_output()
+            self.apply_kv_connector_output()
         sched = self.scheduler.schedule(allow_prefill=allow_prefill)
         if self.kv_connector is not None:
             self._sync_kv_connector()  # start the pulls of the sequences admitted just now
@@ -345,9 +345,11 @@ class EngineCore:
             if not meta.is_empty:
                 self.kv_connector.start_load_kv(meta)
 
-    def _apply_kv_connector_output(self) -> None:
+    def apply_kv_connector_output(self) -> None:
         """What the worker finished: kept blocks freed; loaded sequences report the producer's
-        first token (a finish too, if it ended them); failed pulls finish with ``error``."""
+        first token (a finish too, if it ended them); failed pulls finish with ``error``.
+        Called by :meth:`schedule`, and by an idle DP rank between waves (only a producer's
+        kept blocks can finish then: freeing them needs no forward and no collective)."""
         loaded, failed = self.scheduler.update_from_kv_connector_output(
             self.kv_connector.get_finished())
         for seq in loaded:
@@ -625,9 +627,10 @@ def _start_publisher(config: EngineConfig, dp_rank: int):
                            f"rank): {exc}") from exc
 
 
-def _start_kv_connector(config: EngineConfig, runner, layout: KVLayout):
+def _start_kv_connector(config: EngineConfig, runner, dp_rank: int, layout: KVLayout):
     """The worker side of the P/D KV connector (:mod:`atom.kv_transfer`), or None when
-    ``kv_role`` is unset.
+    ``kv_role`` is unset. DP rank r of a producer binds ``kv_transfer_port + r`` (an
+    OS-chosen port with 0); its kv_transfer_params name that rank's port.
 
     Raises:
         RuntimeError: a producer cannot bind its KV transfer port.
@@ -637,7 +640,7 @@ def _start_kv_connector(config: EngineConfig, runner, layout: KVLayout):
     from atom.kv_transfer import TCPKVConnector
 
     return TCPKVConnector(config.kv_role, runner.kv_caches, layout, host=config.kv_transfer_host,
-                          port=config.kv_transfer_port,
+                          port=config.kv_transfer_port and config.kv_transfer_port + dp_rank,
                           keep_timeout_s=config.kv_transfer_keep_timeout_s,
                           pull_timeout_s=config.kv_transfer_timeout_s)
 

@@ -226,6 +226,8 @@ class DPEngineCoreProc(EngineCoreProc):
             self._check_front_end()
             if self.idle:
                 self.process_inputs(block=True)  # wakes on StartWave, a request or Shutdown
+                if self.idle and self.core.kv_connector is not None:
+                    self.core.apply_kv_connector_output()  # P/D: a consumer released kept blocks
                 continue
             self.process_inputs(block=False)
             if self._tick_unless_stopping():

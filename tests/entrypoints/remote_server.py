@@ -93,3 +93,39 @@ class RemoteServer:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class Proxy:
+    """``atom pd-proxy`` in front of a prefill and a decode server; ready once ``/health``
+    answers 200."""
+
+    def __init__(self, prefill: str, decode: str):
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.proc = subprocess.Popen([ATOM, "pd-proxy", "--prefill", prefill, "--decode", decode,
+                                      "--port", self.url.rsplit(":", 1)[1], "--log-level", "WARNING"],
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)  # polling a process that is starting
+        raise RuntimeError("atom pd-proxy did not come up")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+def wait_kv_free(server: RemoteServer, timeout_s: float = 15.0) -> None:
+    """Liveness: every KV block of ``server`` is free within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while server.metric("atom:num_kv_blocks_used") != 0:
+        assert time.monotonic() < deadline, (f"{server.url}: {server.metric('atom:num_kv_blocks_used')} "
+                                             f"KV blocks still in use")
+        time.sleep(0.2)  # polling a gauge

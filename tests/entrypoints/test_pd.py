@@ -9,9 +9,7 @@ The tests share one set of servers and run in file order; the last one kills the
 from __future__ import annotations
 
 import json
-import signal
 import socket
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,36 +18,12 @@ import openai
 import psutil
 import pytest
 
-from tests.entrypoints.remote_server import ATOM, MODEL, RemoteServer, _free_port
+from tests.entrypoints.remote_server import MODEL, Proxy, RemoteServer, wait_kv_free
 
 # 64-token steps so that the long prompt below is a chunked prefill on the producer
 _COMMON = ("--max-num-batched-tokens", "64")
 KEEP_TIMEOUT_S = 8.0
 PULL_TIMEOUT_S = 5.0
-
-
-class Proxy:
-    def __init__(self, prefill: str, decode: str):
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        self.proc = subprocess.Popen([ATOM, "pd-proxy", "--prefill", prefill, "--decode", decode,
-                                      "--port", self.url.rsplit(":", 1)[1], "--log-level", "WARNING"],
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)  # polling a process that is starting
-        raise RuntimeError("atom pd-proxy did not come up")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +37,6 @@ def pd():
     proxy.stop()
     consumer.stop()
     producer.stop()
-
-
-def wait_kv_free(server: RemoteServer, timeout_s: float = 15.0) -> None:
-    """Liveness: every KV block of ``server`` is free within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while server.metric("atom:num_kv_blocks_used") != 0:
-        assert time.monotonic() < deadline, (f"{server.url}: {server.metric('atom:num_kv_blocks_used')} "
-                                             f"KV blocks still in use")
-        time.sleep(0.2)  # polling a gauge
 
 
 PROMPTS = [

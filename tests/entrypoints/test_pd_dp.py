@@ -1,0 +1,43 @@
+"""P/D with data parallelism on both sides: a producer and a consumer each with 2 DP ranks
+(every producer rank binds its own KV transfer port and names it in its responses; a consumer
+rank pulls from whichever producer rank prefilled), behind ``atom pd-proxy``. Greedy
+completions equal the producer's own plain ones (the colocated reference), and both sides'
+KV blocks all come back."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.entrypoints.remote_server import MODEL, Proxy, RemoteServer, wait_kv_free
+
+PROMPTS = [
+    "The capital of France is",
+    "List three colors:",
+    "Tell me a story about a dragon who learns to cook. " * 6,
+    "Explain photosynthesis to a child in simple words.",
+]
+
+
+def test_pd_with_two_dp_ranks_on_each_side():
+    producer = RemoteServer("--kv-role", "producer", data_parallel_size=2)
+    try:
+        consumer = RemoteServer("--kv-role", "consumer", data_parallel_size=2)
+        try:
+            proxy = Proxy(producer.url, consumer.url)
+            try:
+                kw = dict(model=MODEL, max_tokens=10, temperature=0.0)
+                reference = [producer.client().completions.create(prompt=p, **kw).choices[0].text
+                             for p in PROMPTS]
+                with ThreadPoolExecutor(len(PROMPTS)) as pool:  # spread over both ranks
+                    got = list(pool.map(lambda p: proxy.client().completions.create(
+                        prompt=p, **kw).choices[0].text, PROMPTS))
+                assert got == reference
+                assert consumer.metric("atom:kv_transfers_total") == len(PROMPTS)
+                wait_kv_free(producer)
+                wait_kv_free(consumer)
+            finally:
+                proxy.stop()
+        finally:
+            consumer.stop()
+    finally:
+        producer.stop()
