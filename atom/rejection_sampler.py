@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.kernels import fused
-from atom.sampler import Sampler, filter_probs, needs_processing, top_logprobs
+from atom.sampler import Sampler, filter_probs, needs_processing, sample_from, top_logprobs
 from atom.sequence import Sequence
 
 
@@ -49,13 +49,6 @@ class VerifyOutput:
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, float] | None]]
     sampled_logprobs: list[list[float]]
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw from float32 ``[vocab]`` probabilities (unnormalized is fine) by the
-    exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), the sampler's own method."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def rejection_sample(target_probs: Callable[[int], torch.Tensor] | torch.Tensor,

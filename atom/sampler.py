@@ -42,6 +42,14 @@ class SamplerOutput:
     sampled_logprobs: list[float]
 
 
+def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from float32 ``[vocab]`` probabilities (unnormalized is fine) by the
+    exponential race (``argmax(p / E)``, ``E ~ Exp(1)``): every sampled token's, the
+    speculative verifier's resampling included."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
 class Sampler:
     """Samples one token per sequence; owns the per-request generators of seeded requests.
 
@@ -119,8 +127,7 @@ class Sampler:
                 continue
             probs = filter_probs(logits[row] / params.temperature, top_k=params.top_k,
                                  top_p=params.top_p, min_p=params.min_p)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator_for(seq, probs))
-            token_ids[row] = (probs / noise).argmax()
+            token_ids[row] = sample_from(probs, self.generator_for(seq, probs))
         return token_ids
 
     def generator_for(self, seq: Sequence, probs: torch.Tensor) -> torch.Generator:

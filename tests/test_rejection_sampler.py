@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.rejection_sampler import RejectionSampler, rejection_sample, sample_from
-from atom.sampler import Sampler
+from atom.rejection_sampler import RejectionSampler, rejection_sample
+from atom.sampler import Sampler, sample_from
 from atom.sampling_params import SamplingParams
 from atom.sequence import Sequence
 from tests.spec_utils import chi_square_sf, wrong_rule
