@@ -122,6 +122,11 @@ class EngineCore:
         dtype_name = config.resolved_dtype()
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
         arch, weights = load_model_weights(config.model, dtype)
+        blocks = None
+        if config.quantization == "gguf":
+            from atom.model_loader import load_gguf_blocks
+
+            blocks = load_gguf_blocks(config.model)
         max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
         bytes_per_block = ModelRunner.kv_cache_bytes_per_block(arch, dtype=dtype, block_size=config.block_size)
         draft = None if config.draft_model is None else _load_draft_model(
@@ -135,7 +140,8 @@ class EngineCore:
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
         self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=max_model_len,
-                                  moe_split_experts=config.moe_split_experts)
+                                  moe_split_experts=config.moe_split_experts,
+                                  quantized_weights=blocks)
         if config.enable_expert_parallel and not self.is_moe:
             raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
                              "Mixtral folder) or split a dense one with --moe-split-experts E")

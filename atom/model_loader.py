@@ -373,6 +373,48 @@ def load_model_weights(
     return config, state_dict
 
 
+def load_gguf_blocks(model: str | os.PathLike | None) -> dict:
+    """The GGUF's linear weights in their own quantized blocks (``--quantization gguf``).
+
+    Every tensor of a type the kernels read (:data:`atom.kernels.gguf.TYPE_NAMES`: Q4_1, Q8_0)
+    becomes a :class:`~atom.kernels.gguf.QuantizedWeight` under its Hugging Face name, rows in
+    torch order (``attn_q`` / ``attn_k`` un-permuted like the float weights); tensors of other
+    types are left out (their layers run on the float weights). The blocks are copied out of
+    the file's memory map (97 MB for the embedded model; no dequantization).
+
+    Args:
+        model: ``None`` (embedded SmolLM2 GGUF) or a ``.gguf`` path.
+    Returns:
+        ``{hf_name: QuantizedWeight}``.
+    Raises:
+        ValueError: ``model`` is not a GGUF file, or its architecture is unsupported.
+        FileNotFoundError: as :func:`resolve_model_path`.
+    """
+    import gguf
+    import numpy as np
+
+    from atom.kernels.gguf import TYPE_NAMES, QuantizedWeight
+
+    path = resolve_model_path(model)
+    if not path.is_file():
+        raise ValueError(f"--quantization gguf reads a GGUF file's blocks; {path} is a folder: "
+                         f"pass a .gguf file, or drop --quantization")
+    reader = gguf.GGUFReader(str(path))
+    config = arch_config_from_gguf(reader)
+    blocks = {}
+    for tensor in reader.tensors:
+        if int(tensor.tensor_type) not in TYPE_NAMES:
+            continue
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        if tensor.name.endswith("attn_q.weight"):
+            rows = _reverse_llama_permute(rows, config.num_attention_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            rows = _reverse_llama_permute(rows, config.num_key_value_heads)
+        blocks[_hf_name(tensor.name)] = QuantizedWeight(rows.contiguous(),
+                                                         int(tensor.tensor_type))
+    return blocks
+
+
 #: llama.cpp's GGUF keys for a model's recommended sampling, and generation_config.json's
 _GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                        "general.sampling.top_k": "top_k"}

@@ -75,6 +75,8 @@ class ModelRunner:
         max_model_len: longest sequence (prompt + output) in tokens; sizes the rotary tables.
         moe_split_experts: split every dense MLP into this many experts (model (a) of docs/ARCHITECTURE.md,
             :func:`atom.models.moe.split_mlps_into_experts`), or None.
+        quantized_weights: the GGUF file's own blocks (``--quantization gguf``,
+            :func:`atom.model_loader.load_gguf_blocks`) for small steps, or None.
     Raises:
         ValueError: unsupported architecture, bad weights, or non-positive sizes.
     """
@@ -82,7 +84,7 @@ class ModelRunner:
     def __init__(
         self, arch_config: ModelArchConfig, state_dict: dict[str, torch.Tensor], *,
         dtype: torch.dtype, num_kv_blocks: int, block_size: int, max_model_len: int,
-        moe_split_experts: int | None = None,
+        moe_split_experts: int | None = None, quantized_weights: dict | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_model_len", max_model_len)):
@@ -97,6 +99,15 @@ class ModelRunner:
         model_cls = get_model_class(arch_config.architecture)
         self.model = model_cls.from_state_dict(
             arch_config, state_dict, dtype=dtype, max_positions=max_model_len, device=self.device)
+        if quantized_weights is not None:
+            if dtype != torch.float32:
+                raise ValueError("GGUF blocks run in float32: pass dtype float32")
+            attached = self.model.attach_quantized(quantized_weights)
+            unique = {id(w): w for w in [getattr(m, "qweight", None) for m in self.model.modules()]
+                      + [self.model.embed_qweight] if w is not None}
+            logger.info("quantization gguf: %d linear layers / embeddings on GGUF blocks "
+                        "(%.1f MiB)", len(attached),
+                        sum(w.nbytes for w in unique.values()) / 2**20)
         if moe_split_experts is not None:
             from atom.models.moe import split_mlps_into_experts
 

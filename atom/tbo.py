@@ -85,7 +85,7 @@ def forward_micro_batches(model, micro_batches: Sequence[MicroBatch]) -> None:
 def _model_program(model, mb: MicroBatch) -> Iterator[Waitable]:
     from atom.models.moe import MoE
 
-    x = model.embed_tokens(mb.input_ids)
+    x = model.embed(mb.input_ids)
     cos = model.rope_cos.index_select(0, mb.positions)
     sin = model.rope_sin.index_select(0, mb.positions)
     for layer in model.layers:

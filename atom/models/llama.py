@@ -22,13 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.kernels import fused
+from atom.kernels import cpu_ops, fused
 from atom.kernels.attention import AttentionMetadata, paged_attention
+from atom.kernels.gguf import QuantizedWeight, embedding, gguf_linear
 from atom.kernels.linear import pack_weight, packed_linear
 from atom.models.moe import MoE
 
 if TYPE_CHECKING:
     from atom.model_loader import ModelArchConfig
+
+#: The most rows (tokens of a step; sampled rows for the LM head) a linear layer with GGUF
+#: blocks computes with the quantized kernel; above it the float GEMM is faster on this
+#: machine's measurements (``scripts/bench_gguf_linear.py``, docs/PERFORMANCE.md).
+QUANTIZED_MAX_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -52,12 +58,17 @@ class Linear(nn.Module):
     ``F.linear``. After a successful :meth:`pack_weight`, ``weight`` is None and the forward runs
     on ``packed_weight`` (:func:`atom.kernels.linear.packed_linear`); the dense copy is dropped,
     so pack only once nothing reads ``weight`` any more.
+
+    With ``qweight`` (the GGUF file's own blocks, ``--quantization gguf``), a forward of at most
+    :data:`QUANTIZED_MAX_ROWS` rows runs the quantized kernel
+    (:func:`atom.kernels.gguf.gguf_linear`) and a larger one the float GEMM above.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.packed_weight: torch.Tensor | None = None
+        self.qweight: QuantizedWeight | None = None
 
     def pack_weight(self) -> None:
         """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed."""
@@ -69,6 +80,8 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+            return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
             return F.linear(x, self.weight)
         return packed_linear(x, self.packed_weight)
@@ -153,6 +166,28 @@ class LlamaDecoderLayer(nn.Module):
         x, h = self.attention_stage(x, cos, sin, meta)
         return x + self.mlp(h)
 
+    def decode_on_blocks(self, ops, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         meta: AttentionMetadata) -> None:
+        """The layer for a pure decode step on GGUF blocks, as one compiled call
+        (``llama_decode_layer_``, ``kernels/csrc/decode_layer.cpp``): the same ops as
+        :meth:`forward` in the same order, so the same result; ``x`` (float32 ``[T, hidden]``,
+        contiguous) becomes the layer's output in place. Only for layers
+        :meth:`LlamaForCausalLM.pack_weights` found ready (every linear on blocks)."""
+        weights, (num_heads, num_kv_heads, scale) = self._block_args
+        ops.llama_decode_layer_(x, *weights, self.self_attn.kv_cache, meta.slot_mapping,
+                                meta.block_tables, meta.context_lens_tensor, cos, sin, num_heads,
+                                num_kv_heads, scale)
+
+    def bind_block_args(self) -> None:
+        """Collect :meth:`decode_on_blocks`' fixed arguments once (module attribute lookups
+        cost more than the call at one token a step)."""
+        a, m = self.self_attn, self.mlp
+        weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                   self.input_layernorm.eps)
+        for linear in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+            weights += (linear.qweight.blocks, linear.qweight.ggml_type)
+        self._block_args = (weights, (a.num_heads, a.num_kv_heads, a.scale))
+
     def attention_stage(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +218,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied embeddings: from_state_dict points lm_head.weight at the embedding matrix.
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.embed_qweight: QuantizedWeight | None = None  # attach_quantized
+        # every layer on GGUF blocks and the kernels built: pure decode steps of at most
+        # QUANTIZED_MAX_ROWS tokens run each layer as one compiled call (set by pack_weights)
+        self.decode_on_blocks = False
         self.max_positions = max_positions
 
     @classmethod
@@ -227,14 +266,83 @@ class LlamaForCausalLM(nn.Module):
         model.requires_grad_(False)
         return model.eval()
 
+    def attach_quantized(self, blocks: dict[str, QuantizedWeight]) -> list[str]:
+        """Give the linear layers (and the embedding) the GGUF file's own blocks
+        (``--quantization gguf``; :func:`atom.model_loader.load_gguf_blocks`): small-batch
+        forwards then read those (:class:`Linear`), and the embedding lookup dequantizes its
+        rows. q/k/v and gate/up are fused like the float weights; a fused layer whose parts are
+        not all in blocks of one type keeps the float path. The float weights stay: steps of
+        more than :data:`QUANTIZED_MAX_ROWS` rows use them (the packed GEMM).
+
+        Args:
+            blocks: Hugging Face names -> blocks (rows in torch order).
+        Returns:
+            The names of the modules that got blocks (``layers.0.self_attn.qkv_proj``, ...,
+            ``lm_head``, ``embed_tokens``).
+        Raises:
+            ValueError: a block matrix's shape differs from the layer's.
+        """
+        c = self.config
+        hf = {k.removeprefix("model."): v for k, v in blocks.items()}
+        if c.tie_word_embeddings and "embed_tokens.weight" in hf:
+            hf["lm_head.weight"] = hf["embed_tokens.weight"]
+        parts: dict[str, list[str]] = {"embed_tokens": ["embed_tokens.weight"],
+                                       "lm_head": ["lm_head.weight"]}
+        for i in range(c.num_hidden_layers):
+            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            parts[a + "qkv_proj"] = [a + f"{n}_proj.weight" for n in "qkv"]
+            parts[a + "o_proj"] = [a + "o_proj.weight"]
+            parts[m + "gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+            parts[m + "down_proj"] = [m + "down_proj.weight"]
+        modules = dict(self.named_modules())
+        attached = []
+        for name, sources in parts.items():
+            module = modules.get(name)
+            if module is None or not all(s in hf for s in sources):
+                continue  # an MoE block, or a tensor stored in a type the kernels do not read
+            pieces = [hf[s] for s in sources]
+            if len({(p.ggml_type, p.blocks.shape[1]) for p in pieces}) != 1:
+                continue
+            weight = pieces[0] if len(pieces) == 1 else QuantizedWeight.cat(pieces)
+            expected = (module.weight.shape if name == "embed_tokens"
+                        else (module.weight.shape[0], module.weight.shape[1]))
+            if (weight.out_features, weight.in_features) != tuple(expected):
+                raise ValueError(f"GGUF blocks for {name} are [{weight.out_features}, "
+                                 f"{weight.in_features}], the layer is {list(expected)}")
+            if name == "embed_tokens":
+                self.embed_qweight = weight
+            else:
+                module.qweight = weight
+            attached.append(name)
+        return attached
+
     def pack_weights(self) -> None:
         """Swap every :class:`Linear`'s weight for oneDNN's packed copy (faster GEMMs on CPU,
         :mod:`atom.kernels.linear`). Call once the model is final (after any MoE split, which
         reads the dense MLP weights). With tied embeddings the LM head keeps a packed copy of
-        the embedding matrix, which the embedding lookup still reads dense."""
+        the embedding matrix, which the embedding lookup still reads dense, unless the
+        embedding has GGUF blocks (:meth:`attach_quantized`): then the dense matrix is dropped
+        and the lookup reads the blocks."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_weight()
+        if self.embed_qweight is not None:
+            self.embed_tokens = None
+        self.decode_on_blocks = all(
+            isinstance(layer.mlp, LlamaMLP) and all(
+                lin.qweight is not None for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            for layer in self.layers) and self.rope_cos.dtype == torch.float32 and (
+            self.rope_cos.device.type == "cpu" and cpu_ops.load() is not None)
+        if self.decode_on_blocks:
+            for layer in self.layers:
+                layer.bind_block_args()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of int64 ``[T]`` ids: ``[T, hidden]`` in the run dtype."""
+        if self.embed_tokens is None:
+            return embedding(self.embed_qweight, input_ids)
+        return self.embed_tokens(input_ids)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Bind each layer's ``[2, num_blocks, block_size, H_kv, D]`` KV cache (runner-owned)."""
@@ -252,10 +360,17 @@ class LlamaForCausalLM(nn.Module):
 
         ``num_layers``: run only the first this many layers, then the final norm (the early-exit
         draft of speculative decoding, :mod:`atom.draft_proposer`); None = all."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        num_tokens = input_ids.shape[0]
+        if (self.decode_on_blocks and 0 < num_tokens <= QUANTIZED_MAX_ROWS
+                and attn_metadata.num_decodes == num_tokens):  # decodes only, no padding
+            ops = cpu_ops.load()
+            for layer in layers:
+                layer.decode_on_blocks(ops, x, cos, sin, attn_metadata)
+            return self.norm(x)
         for layer in layers:
             x = layer(x, cos, sin, attn_metadata)
         return self.norm(x)

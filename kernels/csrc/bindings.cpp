@@ -9,6 +9,10 @@ TORCH_LIBRARY(atom_kernels, m) {
   // Decode attention read in place from the paged KV cache (float32 output).
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  // The same, each sequence's context split across the threads when there are fewer sequences
+  // than threads (float32).
+  m.def("paged_decode_attention_split(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   // RMSNorm of float32 rows.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // residual += x in place, then RMSNorm of residual (float32).
@@ -20,14 +24,25 @@ TORCH_LIBRARY(atom_kernels, m) {
         "int num_kv_heads) -> ()");
   // Row-wise logsumexp and first argmax of float32 [S, V] (sampling).
   m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
+  // x @ W.T with W in GGUF's Q4_1 / Q8_0 blocks (int8-quantized activations; float32 out).
+  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type) -> Tensor");
+  // A whole Llama decoder layer of a decode step on GGUF blocks, in place on x and the cache.
+  m.def("llama_decode_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_w, int qkv_type, Tensor o_w, int o_type, Tensor gate_up_w, int gate_up_type, "
+        "Tensor down_w, int down_type, Tensor(b!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, int num_heads, "
+        "int num_kv_heads, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   using namespace atom_kernels;
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_split", &paged_decode_attention_split);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("logsumexp_argmax", &logsumexp_argmax);
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("llama_decode_layer_", &llama_decode_layer_);
 }

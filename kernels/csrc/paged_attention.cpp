@@ -72,13 +72,14 @@ inline void score_block(float* scores, const float* q, const T* kb, int64_t n,
   }
 }
 
-// In place p[t] = exp(s[t] - max s) over n scores; returns sum_t p[t].
-inline float softmax_numerators(float* s, int64_t n) {
+// In place p[t] = exp(s[t] - max s) over n scores; returns sum_t p[t] (and max s in *max_out).
+inline float softmax_numerators(float* s, int64_t n, float* max_out = nullptr) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
   float mx = hmax(mv);
   for (; t < n; ++t) mx = std::max(mx, s[t]);
+  if (max_out != nullptr) *max_out = mx;
   const __m256 mb = _mm256_set1_ps(mx);
   __m256 sv = _mm256_setzero_ps();
   t = 0;
@@ -238,7 +239,112 @@ void decode_kernel(float* out, const T* q, const T* k_cache, const T* v_cache,
   });
 }
 
+#if ATOM_AVX2
+// Decode attention of float32 q [S, H, D] with each sequence's context split into chunks of
+// whole blocks, one work item per (sequence, chunk) over all heads (split-K, as in
+// flash-decoding): with fewer sequences than threads, the per-sequence items above leave
+// threads idle, and an item per KV head reads each token's head_dim-wide slice at a stride of
+// H_kv * head_dim. Each item keeps, per query head, its chunk's max score m, sum of exp l and
+// unnormalised output o; the merge rescales them by exp(m_c - max_c m_c).
+void decode_split_kernel(float* out, const float* q, const float* k_cache, const float* v_cache,
+                         const int64_t* block_tables, const int64_t* context_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int64_t table_stride, float scale,
+                         int64_t chunks) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  std::vector<float> part_o(num_seqs * chunks * num_heads * head_dim, 0.f);
+  std::vector<float> part_m(num_seqs * chunks * num_heads, -std::numeric_limits<float>::infinity());
+  std::vector<float> part_l(num_seqs * chunks * num_heads, 0.f);
+  at::parallel_for(0, num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / chunks, c = work % chunks, len = context_lens[s];
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const int64_t per_chunk = (num_blocks + chunks - 1) / chunks;
+      const int64_t t_begin = std::min(len, c * per_chunk * block_size);
+      const int64_t t_end = std::min(len, (c + 1) * per_chunk * block_size);
+      if (t_begin >= t_end) continue;  // a short context leaves the last chunks empty
+      const int64_t n_tok = t_end - t_begin;
+      const int64_t* table = block_tables + s * table_stride;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = q[s * num_heads * head_dim + i] * scale;
+      scores.resize(num_heads * n_tok);  // scores[h * G + g][t - t_begin]
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
+        const float* kb = k_cache + table[t0 / block_size] * block_stride;
+        const int64_t n = std::min(block_size, t_end - t0);
+        if (t0 + block_size < t_end) prefetch_block(k_cache + table[t0 / block_size + 1] * block_stride, block_stride);
+        for (int64_t r = 0; r < num_heads; ++r)
+          score_block(scores.data() + r * n_tok + (t0 - t_begin), qf.data() + r * head_dim,
+                      kb + (r / group) * head_dim, n, token_stride, head_dim);
+      }
+      const int64_t part = (s * chunks + c) * num_heads;
+      for (int64_t r = 0; r < num_heads; ++r)
+        part_l[part + r] = softmax_numerators(scores.data() + r * n_tok, n_tok, &part_m[part + r]);
+      float* o = part_o.data() + part * head_dim;
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
+        const float* vb = v_cache + table[t0 / block_size] * block_stride;
+        const int64_t n = std::min(block_size, t_end - t0);
+        if (t0 + block_size < t_end) prefetch_block(v_cache + table[t0 / block_size + 1] * block_stride, block_stride);
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          float* oh = o + h * group * head_dim;
+          const float* ph = scores.data() + h * group * n_tok + (t0 - t_begin);
+          if (head_dim % 16 == 0)
+            pv_block_heads<2>(oh, group, head_dim, ph, n_tok, vb + h * head_dim, n, token_stride);
+          else
+            pv_block_heads<1>(oh, group, head_dim, ph, n_tok, vb + h * head_dim, n, token_stride);
+        }
+      }
+    }
+  });
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t r = 0; r < num_heads; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_m[(s * chunks + c) * num_heads + r]);
+      float* o = out + (s * num_heads + r) * head_dim;
+      std::fill(o, o + head_dim, 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = (s * chunks + c) * num_heads + r;
+        if (part_l[i] == 0.f) continue;  // an empty chunk
+        const float w = std::exp(part_m[i] - mx);
+        total += w * part_l[i];
+        const float* po = part_o.data() + i * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * po[d];
+      }
+      for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+    }
+}
+#endif  // ATOM_AVX2
+
 }  // namespace
+
+at::Tensor paged_decode_attention_split(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                        at::Tensor block_tables, at::Tensor context_lens,
+                                        double scale) {
+#if ATOM_AVX2
+  const int64_t threads = at::get_num_threads();
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+      q.size(0) < threads && q.size(2) % 8 == 0 && threads > 1) {
+    TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                    k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+                "paged_decode_attention_split: q [S, H, D], contiguous caches [num_blocks, "
+                "block_size, H_kv, D]");
+    auto qc = q.contiguous();
+    auto tables = block_tables.contiguous();
+    auto lens = context_lens.contiguous();
+    auto out = at::empty(q.sizes(), q.options());
+    const int64_t num_seqs = q.size(0);
+    decode_split_kernel(out.data_ptr<float>(), qc.data_ptr<float>(), k_cache.data_ptr<float>(),
+                        v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+                        lens.data_ptr<int64_t>(), num_seqs, q.size(1), k_cache.size(2),
+                        q.size(2), k_cache.size(1), tables.size(1), static_cast<float>(scale),
+                        (threads + num_seqs - 1) / num_seqs);
+    return out;
+  }
+#endif
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+}
 
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (same dtype as q, float32 or
 // bfloat16, contiguous); block_tables int64 [S, >= max blocks]; context_lens int64 [S], >= 1.

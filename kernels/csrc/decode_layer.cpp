@@ -1,0 +1,69 @@
+// One Llama decoder layer of a small decode step on GGUF blocks, in one call: the ops the
+// Python layer runs one by one (RMSNorm, fused qkv, rotary, KV write, paged decode attention,
+// o_proj, residual add + RMSNorm, fused gate/up, SiLU-and-mul, down_proj, residual add), called
+// here as C++ functions. At one token a step, each op's work is a few microseconds; the Python
+// module calls and dispatches between them cost more than the work (about 0.2 ms a layer,
+// measured on the development machine), which this removes. The ops and their order are those
+// of the Python path, except that attention splits each sequence's context across the threads
+// when there are fewer sequences than threads (paged_decode_attention_split): a one-request
+// decode step otherwise leaves a thread idle in attention. Same results up to float rounding
+// (tests/kernels/test_gguf_linear.py compares the two paths).
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "ops.h"
+
+#include <cstring>
+
+namespace atom_kernels {
+
+void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_norm, double eps,
+                         at::Tensor qkv_w, int64_t qkv_type, at::Tensor o_w, int64_t o_type,
+                         at::Tensor gate_up_w, int64_t gate_up_type, at::Tensor down_w,
+                         int64_t down_type, at::Tensor kv_cache, at::Tensor slot_mapping,
+                         at::Tensor block_tables, at::Tensor context_lens, at::Tensor cos,
+                         at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "llama_decode_layer_: x must be a contiguous float32 [T, hidden] tensor");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == at::kFloat,
+              "llama_decode_layer_: kv_cache must be a contiguous float32 [2, num_blocks, "
+              "block_size, H_kv, D] tensor");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() >= x.size(0),
+              "llama_decode_layer_: slot_mapping must be int64 with a slot per token");
+  const int64_t tokens = x.size(0), head_dim = kv_cache.size(4);
+  TORCH_CHECK(kv_cache.size(3) == num_kv_heads, "llama_decode_layer_: H_kv mismatch");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t cache_slots = kv_cache.size(1) * kv_cache.size(2);
+
+  at::Tensor qkv = gguf_linear(rms_norm(x, input_norm, eps), qkv_w, qkv_type);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layer_: qkv has ",
+              qkv.size(1), " columns, expected ", q_size + 2 * kv_size);
+  rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads);
+  // the new tokens' K and V rows into their cache slots
+  const float* qkv_p = qkv.data_ptr<float>();
+  float* k_cache_p = kv_cache.data_ptr<float>();
+  float* v_cache_p = k_cache_p + cache_slots * kv_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache_slots, "llama_decode_layer_: slot ", slots[t],
+                " of token ", t, " is outside the cache");
+    const float* row = qkv_p + t * qkv.size(1);
+    std::memcpy(k_cache_p + slots[t] * kv_size, row + q_size, kv_size * sizeof(float));
+    std::memcpy(v_cache_p + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+  }
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+  at::Tensor attn = paged_decode_attention_split(q, kv_cache.select(0, 0), kv_cache.select(0, 1),
+                                                 block_tables, context_lens, scale);
+  at::Tensor o = gguf_linear(attn.view({tokens, q_size}), o_w, o_type);
+  at::Tensor h = fused_add_rms_norm(o, x, post_norm, eps);  // x += attention output
+  at::Tensor down = gguf_linear(silu_and_mul(gguf_linear(h, gate_up_w, gate_up_type)), down_w,
+                                down_type);
+  float* xp = x.data_ptr<float>();
+  const float* dp = down.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) xp[i] = xp[i] + dp[i];  // x += MLP output
+}
+
+}  // namespace atom_kernels

@@ -1,0 +1,118 @@
+"""GGUF block kernel vs the float GEMM per linear layer and row count (issue 20): where the
+quantized path stops paying.
+
+For each linear layer shape of the embedded SmolLM2-135M model (fused qkv, o_proj, fused
+gate/up, down_proj: Q4_1 blocks; the tied LM head: Q8_0), and each row count (tokens of a step;
+sampled rows for the LM head), times one pass over that layer in all 30 decoder layers, one
+after the other as a forward runs them (so the weights come from memory, not from a cache that
+one hot matrix would fit in), reported per layer:
+
+- ``quantized``: :func:`atom.kernels.gguf.gguf_linear` on the file's own blocks;
+- ``float``: oneDNN's packed float32 GEMM (:func:`atom.kernels.linear.packed_linear`), what the
+  float32 mode runs.
+
+and the whole model's linear time per step (30 layers x 4 matrices + the LM head at one row)
+for both. Prints a table with the ratio float / quantized per row count (> 1: the quantized
+kernel is faster) and the largest row count at which the quantized kernel wins for every
+layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`.
+
+    .venv/bin/python scripts/bench_gguf_linear.py [--num-threads 2] [--rows 1 2 4 8 16 32]
+
+Writes ``results/bench_gguf_linear.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+from bench_common import cpu_description, write_json_report
+
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+LAYERS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "down_proj": ("mlp.down_proj",)}
+
+
+def _best_ms(fn, x, *, min_time_s: float = 0.2) -> float:
+    fn(x)
+    best, spent = float("inf"), 0.0
+    while spent < min_time_s:
+        start = time.perf_counter()
+        fn(x)
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--output-json", type=pathlib.Path,
+                        default=pathlib.Path("results/bench_gguf_linear.json"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from atom.kernels import cpu_ops
+    from atom.kernels.gguf import QuantizedWeight, gguf_linear
+    from atom.kernels.linear import pack_weight, packed_linear
+    from atom.model_loader import load_gguf_blocks, load_model_weights
+
+    torch.set_num_threads(args.num_threads)
+    if cpu_ops.load() is None:
+        raise SystemExit(f"the C++ kernels are not built: {cpu_ops.unavailable_reason()}")
+    arch, weights = load_model_weights(None, torch.float32)
+    blocks = load_gguf_blocks(None)
+    shapes = {}
+    for name, parts in LAYERS.items():
+        shapes[name] = [
+            (QuantizedWeight.cat([blocks[f"model.layers.{i}.{p}.weight"] for p in parts]),
+             torch.cat([weights[f"model.layers.{i}.{p}.weight"] for p in parts]))
+            for i in range(arch.num_hidden_layers)]
+    shapes["lm_head"] = [(blocks["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])]
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    with torch.inference_mode():
+        for name, layers in shapes.items():
+            quantized = [qw for qw, _ in layers]
+            packed = [pack_weight(fw) for _, fw in layers]
+            results[name] = {}
+            for rows in args.rows:
+                x = torch.randn(rows, quantized[0].in_features)
+                q_ms = _best_ms(lambda t: [gguf_linear(t, qw) for qw in quantized], x)
+                f_ms = _best_ms(lambda t: [packed_linear(t, pw) for pw in packed], x)
+                results[name][rows] = {"quantized_ms": q_ms / len(layers),
+                                       "float_ms": f_ms / len(layers)}
+    shapes = {name: layers[0] for name, layers in shapes.items()}
+    print(f"{cpu_description()}; {args.num_threads} threads; best of >= 0.2 s per cell; ms per layer")
+    print(f"{'layer':<14}{'[out, in]':>14}" + "".join(f"{r:>9}" for r in args.rows)
+          + "   (float ms / quantized ms per row count)")
+    for name, (qw, _) in shapes.items():
+        ratios = [results[name][r]["float_ms"] / results[name][r]["quantized_ms"] for r in args.rows]
+        print(f"{name:<14}{f'[{qw.out_features}, {qw.in_features}]':>14}"
+              + "".join(f"{v:>8.2f}x" for v in ratios))
+    per_step = {}
+    for rows in args.rows:  # a decode step of `rows` sequences: every layer at rows, LM head too
+        q = sum(results[n][rows]["quantized_ms"] for n in LAYERS) * arch.num_hidden_layers
+        f = sum(results[n][rows]["float_ms"] for n in LAYERS) * arch.num_hidden_layers
+        q += results["lm_head"][rows]["quantized_ms"]
+        f += results["lm_head"][rows]["float_ms"]
+        per_step[rows] = {"quantized_ms": q, "float_ms": f}
+    print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
+        f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r]['float_ms']:<4.0f}"[:9].rjust(9)
+        for r in args.rows) + "   (quantized / float)")
+    wins = [r for r in args.rows if all(results[n][r]["quantized_ms"] < results[n][r]["float_ms"]
+                                        for n in results)]
+    largest = max((r for r in args.rows if all(w in wins for w in args.rows if w <= r)), default=0)
+    print(f"quantized kernel faster for every layer up to {largest} rows")
+    write_json_report(args.output_json, {
+        "cpu": cpu_description(), "num_threads": args.num_threads, "results": results,
+        "per_step": per_step, "quantized_wins_up_to_rows": largest})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

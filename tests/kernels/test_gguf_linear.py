@@ -1,0 +1,193 @@
+"""GGUF block linears (kernels/csrc/gguf_linear.cpp, atom.kernels.gguf) against their torch
+references, on random blocks of every supported type and on the embedded model's own blocks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from atom.kernels import gguf as G
+from atom.kernels.linear import pack_weight
+from atom.models.llama import QUANTIZED_MAX_ROWS, Linear
+
+TYPES = {G.Q4_1: gguf.GGMLQuantizationType.Q4_1, G.Q8_0: gguf.GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(ggml_type: int, n: int, k: int, seed: int = 0) -> G.QuantizedWeight:
+    """Random quantized values with plausible fp16 scales (and Q4_1 minimums)."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, size = k // G.BLOCK, G.BLOCK_BYTES[ggml_type]
+    b = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=gen)
+    b[..., 0:2] = (torch.rand(n, nb, generator=gen) * 0.02 + 1e-3).half().view(torch.uint8).view(n, nb, 2)
+    if ggml_type == G.Q4_1:
+        b[..., 2:4] = (torch.randn(n, nb, generator=gen) * 0.05).half().view(torch.uint8).view(n, nb, 2)
+    return G.QuantizedWeight(b.reshape(n, nb * size), ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(TYPES))
+def test_dequantize_matches_the_gguf_package(ggml_type):
+    w = random_blocks(ggml_type, 37, 96)
+    expected = gguf_dequantize(w.blocks.numpy(), TYPES[ggml_type]).reshape(37, 96)
+    assert torch.equal(G.dequantize(w), torch.from_numpy(expected.astype(np.float32)))
+
+
+def test_quantize_activations_per_block():
+    x = torch.tensor([[0.0] * 32 + [1.0, -2.0] + [0.5] * 30])
+    q = G.quantize_activations(x)
+    assert torch.equal(q[0, :32], torch.zeros(32))  # an all-zero block: scale 0, no NaN
+    d = 2.0 / 127
+    assert q[0, 33].item() == pytest.approx(-2.0)
+    assert q[0, 32].item() == pytest.approx(round(1.0 / d) * d)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(TYPES))
+@pytest.mark.parametrize("n,k", [(37, 96), (576, 576), (100, 1536), (5, 32), (1, 64)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 9])  # the 4-row tile, then 1-3 tails
+def test_kernel_matches_reference(ops, ggml_type, n, k, rows):
+    w = random_blocks(ggml_type, n, k, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
+    out = ops.gguf_linear(x, w.blocks, ggml_type)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    ref = G.gguf_linear_reference(x, w)
+    # the integer block sums are exact: only the float accumulation order differs
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max([1.0] + ref.abs().flatten().tolist()))
+
+
+@pytest.mark.parametrize("ggml_type", sorted(TYPES))
+def test_kernel_is_thread_count_independent(ops, ggml_type):
+    w = random_blocks(ggml_type, 1000, 576)  # many 16-row chunks, split unevenly
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(ops.gguf_linear(x, w.blocks, ggml_type))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])  # each output is one thread's, same order
+
+
+def test_kernel_takes_strided_rows(ops):
+    w = random_blocks(G.Q4_1, 64, 64)
+    x = torch.randn(3, 128)[:, :64]  # rows 128 floats apart
+    torch.testing.assert_close(G.gguf_linear(x, w), G.gguf_linear_reference(x, w))
+
+
+def test_kernel_rejects_bad_shapes_and_types(ops):
+    w = random_blocks(G.Q4_1, 8, 64)
+    with pytest.raises(RuntimeError, match="expected K a multiple of 32"):
+        ops.gguf_linear(torch.randn(2, 96), w.blocks, G.Q4_1)
+    with pytest.raises(RuntimeError, match="not supported"):
+        ops.gguf_linear(torch.randn(2, 64), w.blocks, 2)  # Q4_0
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.gguf_linear(torch.randn(2, 64).double(), w.blocks, G.Q4_1)
+    with pytest.raises(ValueError, match="not supported"):
+        G.QuantizedWeight(w.blocks, 12)
+
+
+def test_embedded_model_blocks_match_its_float_weights(ops):
+    """The loader's blocks (rows un-permuted like the float weights) dequantize to exactly the
+    float weights; the kernel on them stays within int8-activation error of the float GEMM."""
+    from atom.model_loader import load_gguf_blocks, load_model_weights
+
+    _, float_weights = load_model_weights(None, torch.float32)
+    blocks = load_gguf_blocks(None)
+    for name in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(G.dequantize(blocks[name]), float_weights[name]), name
+    w = blocks["model.layers.3.mlp.gate_proj.weight"]
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(0))
+    exact = x @ float_weights["model.layers.3.mlp.gate_proj.weight"].T
+    out = ops.gguf_linear(x, w.blocks, w.ggml_type)
+    assert (out - exact).abs().max() < 0.02 * exact.abs().max()  # int8 activations: ~0.5 %
+    ids = torch.tensor([0, 2, 49151, 5])
+    assert torch.equal(G.embedding(blocks["model.embed_tokens.weight"], ids),
+                       float_weights["model.embed_tokens.weight"][ids])
+
+
+@pytest.mark.skipif(pack_weight(torch.ones(8, 32)) is None, reason="oneDNN cannot pack here")
+def test_linear_switches_to_the_float_gemm_above_the_row_limit(ops):
+    w = random_blocks(G.Q4_1, 48, 64)
+    layer = Linear(64, 48)
+    layer.weight.data.copy_(G.dequantize(w))
+    layer.qweight = w
+    layer.pack_weight()
+    for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        quantized = ops.gguf_linear(x, w.blocks, w.ggml_type)
+        out = layer(x)
+        if rows <= QUANTIZED_MAX_ROWS:
+            assert torch.equal(out, quantized)
+        else:
+            assert not torch.equal(out, quantized)
+            torch.testing.assert_close(out, x @ G.dequantize(w).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def quantized_runner():
+    from atom.model_loader import load_gguf_blocks, load_model_weights
+    from atom.model_runner import ModelRunner
+
+    arch, weights = load_model_weights(None, torch.float32)
+    return ModelRunner(arch, weights, dtype=torch.float32, num_kv_blocks=64, block_size=16,
+                       max_model_len=512, quantized_weights=load_gguf_blocks(None))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])  # fewer sequences than threads: split attention
+def test_decode_layer_in_one_call_equals_the_python_layers(ops, quantized_runner, num_seqs):
+    """The compiled decoder layer (llama_decode_layer_) against the Python layers on the same
+    blocks: the same ops, so the same logits, up to the split attention's rounding."""
+    from atom.sampling_params import SamplingParams
+    from atom.sequence import Sequence
+
+    runner, model = quantized_runner, quantized_runner.model
+    assert model.decode_on_blocks
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(f"r{i}", list(range(10 + i, 60 + 7 * i)), SamplingParams(max_tokens=8))
+        seq.block_table = list(range(8 * i, 8 * i + 8))
+        runner.execute_model([(seq, len(seq.token_ids))])
+        seq.num_computed_tokens = len(seq.token_ids)
+        seq.token_ids.append(5 + i)
+        seqs.append(seq)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits = {}
+        for fused in (True, False):  # the same step twice: each rewrites the same KV slots
+            model.decode_on_blocks = fused
+            logits[fused] = runner.execute_model([(seq, 1) for seq in seqs]).logits
+    finally:
+        model.decode_on_blocks = True
+        torch.set_num_threads(before)
+    if num_seqs >= 2:
+        assert torch.equal(logits[True], logits[False])
+    else:  # split attention rounds differently, and int8 activations turn some of that into
+        # a quantization step (a discontinuous function): compare the greedy token's logprob
+        ours, ref = torch.log_softmax(logits[True], -1), torch.log_softmax(logits[False], -1)
+        token = ref.argmax(-1)
+        assert torch.equal(ours.argmax(-1), token)
+        assert (ours[0, token] - ref[0, token]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("context_len", [1, 16, 17, 51, 200])
+def test_split_decode_attention_matches_the_kernel(ops, context_len):
+    """paged_decode_attention_split (each context split across the threads) against
+    paged_decode_attention on one sequence: equal up to float rounding."""
+    gen = torch.Generator().manual_seed(context_len)
+    kv = torch.randn(2, 32, 16, 3, 64, generator=gen)
+    table = torch.randperm(32, generator=gen)[:14].view(1, 14)
+    q = (torch.randn(1, 960, generator=gen) * 3)[:, :576].view(1, 9, 64)  # strided, like qkv
+    lens = torch.tensor([context_len])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        split = ops.paged_decode_attention_split(q, kv[0], kv[1], table, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(split, ops.paged_decode_attention(q, kv[0], kv[1], table, lens, 0.125),
+                               rtol=1e-5, atol=1e-5)
