@@ -380,7 +380,7 @@ def load_gguf_blocks(model: str | os.PathLike | None) -> dict:
     becomes a :class:`~atom.kernels.gguf.QuantizedWeight` under its Hugging Face name, rows in
     torch order (``attn_q`` / ``attn_k`` un-permuted like the float weights); tensors of other
     types are left out (their layers run on the float weights). The blocks are copied out of
-    the file's memory map (97 MB for the embedded model; no dequantization).
+    the file's memory map into planes (97 MB for the embedded model; no dequantization).
 
     Args:
         model: ``None`` (embedded SmolLM2 GGUF) or a ``.gguf`` path.
@@ -410,8 +410,8 @@ def load_gguf_blocks(model: str | os.PathLike | None) -> dict:
             rows = _reverse_llama_permute(rows, config.num_attention_heads)
         elif tensor.name.endswith("attn_k.weight"):
             rows = _reverse_llama_permute(rows, config.num_key_value_heads)
-        blocks[_hf_name(tensor.name)] = QuantizedWeight(rows.contiguous(),
-                                                         int(tensor.tensor_type))
+        blocks[_hf_name(tensor.name)] = QuantizedWeight.from_gguf_blocks(
+            rows.contiguous(), int(tensor.tensor_type))
     return blocks
 
 

@@ -1,12 +1,13 @@
 """Linear layers on a GGUF file's own quantized blocks (``--quantization gguf``).
 
 A GGUF weight of type Q4_1 or Q8_0 (the types the embedded SmolLM2 file uses for its matrices
-and its embedding / tied LM head) is kept as ``uint8 [N, K / 32 * block_bytes]``: one row of
-blocks per output feature, each block covering 32 consecutive input features, in ggml's layout
-(``kernels/csrc/gguf_linear.cpp`` describes it). :func:`gguf_linear` multiplies float32
-activations by such a weight with the compiled kernel: the activations are quantized to int8
-per block of 32 (llama.cpp's Q8_1 scheme, ``ggml-quants.c``) and every block product is an
-integer dot product times two scales.
+and its embedding / tied LM head) is kept quantized, one row of blocks per output feature, each
+block covering 32 consecutive input features. The blocks' fields are stored as planes, the same
+bytes as the file (:meth:`QuantizedWeight.from_gguf_blocks`; ``kernels/csrc/gguf_linear.cpp``
+says why): the quants, the fp16 scales and, for Q4_1, the fp16 minimums. :func:`gguf_linear`
+multiplies float32 activations by such a weight with the compiled kernel: the activations are
+quantized to int8 per block of 32 (llama.cpp's Q8_1 scheme, ``ggml-quants.c``) and every block
+product is an integer dot product times two scales.
 
 The torch references here (:func:`dequantize`, :func:`quantize_activations`,
 :func:`gguf_linear_reference`) compute the same numbers with plain torch ops (the kernel differs
@@ -25,47 +26,76 @@ import torch
 from atom.kernels import cpu_ops
 
 #: ggml's type ids (``gguf.GGMLQuantizationType``) of the block types the kernel reads, and
-#: their block size in bytes (32 weights each).
+#: their block size in bytes in a GGUF file (32 weights each).
 Q4_1, Q8_0 = 3, 8
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = 32
+_QUANT_BYTES = {Q4_1: 16, Q8_0: 32}  # per block, in the qs plane
 
 
 @dataclass
 class QuantizedWeight:
-    """A linear weight ``[out_features, in_features]`` in GGUF blocks.
+    """A linear weight ``[out_features, in_features]`` in GGUF blocks, as planes.
 
     Attributes:
-        blocks: ``uint8 [out_features, in_features / 32 * BLOCK_BYTES[ggml_type]]``, contiguous.
         ggml_type: :data:`Q4_1` or :data:`Q8_0`.
+        qs: ``uint8 [N, nb * 16]`` (Q4_1: block ``b``'s 16 bytes of nibbles, element ``j`` in the
+            low nibble of byte ``j``, element ``j + 16`` in its high nibble) or ``int8
+            [N, nb * 32]`` (Q8_0); ``nb = in_features / 32``.
+        d: float16 ``[N, nb_pad]``: each block's scale; ``nb_pad`` = nb rounded up to 8, zeros
+            after ``nb`` (the kernel reads the scales 8 blocks at a time).
+        m: float16 ``[N, nb_pad]``: Q4_1's block minimums; for Q8_0 an empty tensor.
     """
 
-    blocks: torch.Tensor
     ggml_type: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
 
-    def __post_init__(self) -> None:
-        if self.ggml_type not in BLOCK_BYTES:
-            raise ValueError(f"ggml type {self.ggml_type} is not supported; supported: "
+    @staticmethod
+    def from_gguf_blocks(blocks: torch.Tensor, ggml_type: int) -> QuantizedWeight:
+        """Planes from a GGUF tensor's rows of blocks (``uint8 [N, nb * BLOCK_BYTES]``, ggml's
+        layout: Q4_1 ``{fp16 d, fp16 m, 16 bytes of nibbles}``, Q8_0 ``{fp16 d, 32 int8}``).
+
+        Raises:
+            ValueError: an unsupported type, or rows that are not whole blocks.
+        """
+        if ggml_type not in BLOCK_BYTES:
+            raise ValueError(f"ggml type {ggml_type} is not supported; supported: "
                              f"{sorted(TYPE_NAMES.values())}")
-        if (self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2
-                or self.blocks.shape[1] % BLOCK_BYTES[self.ggml_type]):
-            raise ValueError(f"{TYPE_NAMES[self.ggml_type]} blocks must be uint8 [N, "
-                             f"multiple of {BLOCK_BYTES[self.ggml_type]}], got "
-                             f"{self.blocks.dtype} {tuple(self.blocks.shape)}")
-        self.blocks = self.blocks.contiguous()
+        size = BLOCK_BYTES[ggml_type]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+            raise ValueError(f"{TYPE_NAMES[ggml_type]} blocks must be uint8 [N, multiple of "
+                             f"{size}], got {blocks.dtype} {tuple(blocks.shape)}")
+        n, nb = blocks.shape[0], blocks.shape[1] // size
+        b = blocks.reshape(n, nb, size)
+
+        def scales(offset: int) -> torch.Tensor:
+            plane = torch.zeros(n, -(-nb // 8) * 8, dtype=torch.float16)
+            plane[:, :nb] = b[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0]
+            return plane
+
+        if ggml_type == Q4_1:
+            return QuantizedWeight(Q4_1, b[..., 4:].reshape(n, nb * 16).contiguous(), scales(0),
+                                   scales(2))
+        return QuantizedWeight(Q8_0, b[..., 2:].contiguous().view(torch.int8).reshape(n, nb * 32),
+                               scales(0), torch.empty(0, dtype=torch.float16))
 
     @property
     def out_features(self) -> int:
-        return self.blocks.shape[0]
+        return self.qs.shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.blocks.shape[1] // BLOCK_BYTES[self.ggml_type] * BLOCK
+        return self.qs.shape[1] // _QUANT_BYTES[self.ggml_type] * BLOCK
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def _planes(self) -> tuple[torch.Tensor, ...]:
+        return (self.qs, self.d, self.m) if self.ggml_type == Q4_1 else (self.qs, self.d)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -74,34 +104,33 @@ class QuantizedWeight:
         Raises:
             ValueError: the parts differ in type or in ``in_features``.
         """
-        if len({(p.ggml_type, p.blocks.shape[1]) for p in parts}) != 1:
+        if len({(p.ggml_type, p.in_features) for p in parts}) != 1:
             raise ValueError("cannot fuse GGUF weights of different types or widths: "
                              + ", ".join(f"{TYPE_NAMES[p.ggml_type]} [{p.out_features}, "
                                          f"{p.in_features}]" for p in parts))
-        return QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type)
+        first = parts[0]
+        m = torch.cat([p.m for p in parts]) if first.ggml_type == Q4_1 else first.m
+        return QuantizedWeight(first.ggml_type, torch.cat([p.qs for p in parts]),
+                               torch.cat([p.d for p in parts]), m)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (int64 ``[N']``), e.g. a permutation of the output features."""
-        return QuantizedWeight(self.blocks.index_select(0, index), self.ggml_type)
-
-
-def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 field at byte ``offset`` of every block, as float32 ``[..., 1]``."""
-    return blocks[..., offset:offset + 2].contiguous().view(torch.float16).float()
+        m = self.m.index_select(0, index) if self.ggml_type == Q4_1 else self.m
+        return QuantizedWeight(self.ggml_type, self.qs.index_select(0, index),
+                               self.d.index_select(0, index), m)
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 ``[out_features, in_features]`` values of ``weight`` (ggml's formulas:
     Q4_1 ``d * q + m``, Q8_0 ``d * q``)."""
     n, nb = weight.out_features, weight.in_features // BLOCK
-    b = weight.blocks.view(n, nb, BLOCK_BYTES[weight.ggml_type])
-    d = _fp16(b, 0)
+    d = weight.d[:, :nb, None].float()
     if weight.ggml_type == Q4_1:
-        qs = b[..., 4:]
+        qs = weight.qs.view(n, nb, 16)
         q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # elements 0-15, then 16-31
-        values = d * q + _fp16(b, 2)
+        values = d * q + weight.m[:, :nb, None].float()
     else:
-        values = d * b[..., 2:].contiguous().view(torch.int8).float()
+        values = d * weight.qs.view(n, nb, 32).float()
     return values.reshape(n, nb * BLOCK)
 
 
@@ -145,5 +174,5 @@ def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     ops = cpu_ops.load()
     if ops is None:
         return gguf_linear_reference(x, weight)
-    return ops.gguf_linear(x if x.stride(-1) == 1 else x.contiguous(), weight.blocks,
-                           weight.ggml_type)
+    return ops.gguf_linear(x if x.stride(-1) == 1 else x.contiguous(), weight.qs, weight.d,
+                           weight.m, weight.ggml_type)

@@ -182,10 +182,10 @@ class LlamaDecoderLayer(nn.Module):
         """Collect :meth:`decode_on_blocks`' fixed arguments once (module attribute lookups
         cost more than the call at one token a step)."""
         a, m = self.self_attn, self.mlp
+        linears = [lin.qweight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
         weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                   self.input_layernorm.eps)
-        for linear in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-            weights += (linear.qweight.blocks, linear.qweight.ggml_type)
+                   self.input_layernorm.eps, [t for w in linears for t in (w.qs, w.d, w.m)],
+                   [w.ggml_type for w in linears])
         self._block_args = (weights, (a.num_heads, a.num_kv_heads, a.scale))
 
     def attention_stage(
@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
             if module is None or not all(s in hf for s in sources):
                 continue  # an MoE block, or a tensor stored in a type the kernels do not read
             pieces = [hf[s] for s in sources]
-            if len({(p.ggml_type, p.blocks.shape[1]) for p in pieces}) != 1:
+            if len({(p.ggml_type, p.in_features) for p in pieces}) != 1:
                 continue
             weight = pieces[0] if len(pieces) == 1 else QuantizedWeight.cat(pieces)
             expected = (module.weight.shape if name == "embed_tokens"

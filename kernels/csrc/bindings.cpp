@@ -25,11 +25,10 @@ TORCH_LIBRARY(atom_kernels, m) {
   // Row-wise logsumexp and first argmax of float32 [S, V] (sampling).
   m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
   // x @ W.T with W in GGUF's Q4_1 / Q8_0 blocks (int8-quantized activations; float32 out).
-  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int ggml_type) -> Tensor");
   // A whole Llama decoder layer of a decode step on GGUF blocks, in place on x and the cache.
   m.def("llama_decode_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
-        "Tensor qkv_w, int qkv_type, Tensor o_w, int o_type, Tensor gate_up_w, int gate_up_type, "
-        "Tensor down_w, int down_type, Tensor(b!) kv_cache, Tensor slot_mapping, "
+        "Tensor[] weights, int[] types, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, int num_heads, "
         "int num_kv_heads, float scale) -> ()");
 }

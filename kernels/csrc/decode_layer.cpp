@@ -19,11 +19,15 @@
 namespace atom_kernels {
 
 void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_norm, double eps,
-                         at::Tensor qkv_w, int64_t qkv_type, at::Tensor o_w, int64_t o_type,
-                         at::Tensor gate_up_w, int64_t gate_up_type, at::Tensor down_w,
-                         int64_t down_type, at::Tensor kv_cache, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens, at::Tensor cos,
-                         at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double scale) {
+                         at::TensorList weights, at::IntArrayRef types, at::Tensor kv_cache,
+                         at::Tensor slot_mapping, at::Tensor block_tables,
+                         at::Tensor context_lens, at::Tensor cos, at::Tensor sin,
+                         int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(weights.size() == 12 && types.size() == 4,
+              "llama_decode_layer_: weights are (qs, d, m) of qkv, o, gate_up, down; types four");
+  const auto linear = [&](const at::Tensor& in, int i) {
+    return gguf_linear(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i]);
+  };
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "llama_decode_layer_: x must be a contiguous float32 [T, hidden] tensor");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
@@ -38,7 +42,7 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t cache_slots = kv_cache.size(1) * kv_cache.size(2);
 
-  at::Tensor qkv = gguf_linear(rms_norm(x, input_norm, eps), qkv_w, qkv_type);
+  at::Tensor qkv = linear(rms_norm(x, input_norm, eps), 0);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layer_: qkv has ",
               qkv.size(1), " columns, expected ", q_size + 2 * kv_size);
   rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads);
@@ -57,10 +61,9 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   at::Tensor attn = paged_decode_attention_split(q, kv_cache.select(0, 0), kv_cache.select(0, 1),
                                                  block_tables, context_lens, scale);
-  at::Tensor o = gguf_linear(attn.view({tokens, q_size}), o_w, o_type);
+  at::Tensor o = linear(attn.view({tokens, q_size}), 1);
   at::Tensor h = fused_add_rms_norm(o, x, post_norm, eps);  // x += attention output
-  at::Tensor down = gguf_linear(silu_and_mul(gguf_linear(h, gate_up_w, gate_up_type)), down_w,
-                                down_type);
+  at::Tensor down = linear(silu_and_mul(linear(h, 2)), 3);
   float* xp = x.data_ptr<float>();
   const float* dp = down.data_ptr<float>();
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] = xp[i] + dp[i];  // x += MLP output

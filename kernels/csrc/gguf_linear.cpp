@@ -1,5 +1,5 @@
 // Linear layers on GGUF's quantized blocks (Q4_1, Q8_0) for small batches: y = x @ W.T with
-// W read in its GGUF block layout, never dequantized to memory.
+// W read in its quantized form, never dequantized to memory.
 //
 // The activations are quantized first, per row and per block of 32 values, to int8 with one
 // float scale (and, for Q4_1 weights, the scaled sum of the block's int8 values): the scheme of
@@ -12,10 +12,17 @@
 // the weight bytes streamed (97 MB a token for SmolLM2-135M's Q4_1 file, against 537 MB in
 // float32), so the arithmetic per byte must stay small.
 //
-// Block layouts (ggml's, read-only here):
-//   Q4_1: {fp16 d; fp16 m; uint8 qs[16]}: 20 bytes; w[j] = d * q[j] + m, q[j] = qs[j] & 15,
-//         q[j + 16] = qs[j] >> 4 (j < 16).
-//   Q8_0: {fp16 d; int8 qs[32]}: 34 bytes; w[j] = d * qs[j].
+// Weight layout: a GGUF block's fields stored as planes, the same bytes as the file's blocks
+// (atom.kernels.gguf.QuantizedWeight.from_gguf_blocks; llama.cpp's CPU backend likewise
+// repacks blocks at load for its AVX2 / NEON kernels):
+//   qs  uint8 [N, nb * 16] (Q4_1: block b's nibbles, q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4)
+//       or int8 [N, nb * 32] (Q8_0)
+//   d   fp16 [N, nb_pad] (block scales), m fp16 [N, nb_pad] (Q4_1 block minimums); nb_pad =
+//       nb rounded up to 8, zeros after nb
+//   Q4_1: w[j] = d * q[j] + m        Q8_0: w[j] = d * q[j]
+// With the scales in planes, 8 blocks' scales convert (F16C) and multiply by the activation
+// scales in three vector instructions, where the block layout needs two scalar conversions and
+// a broadcast per block: about 10 instructions a block instead of 19.
 // Dot products, one block of 32 (a = the activation block: scale da, int8 qa, sa = da * sum qa):
 //   Q4_1: d * da * sum(q * qa) + m * sa        Q8_0: d * da * sum(qs * qa)
 // The integer sums are exact; only the float accumulation order differs from the torch
@@ -41,16 +48,16 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kGgmlTypeQ4_1 = 3;  // ggml_type enum values (gguf.GGMLQuantizationType)
 constexpr int64_t kGgmlTypeQ8_0 = 8;
 
-// One quantized block of activations: scale d, sum s = d * sum(qs), 32 int8 values.
-struct BlockQ8 {
-  float d;
-  float s;
-  int8_t qs[kBlock];
+inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }
+
+// Quantized activations of M rows as planes: qs int8 [M, nb * 32], d and s float [M, nb_pad]
+// (s = d * sum(qs) per block; zeros after nb).
+struct QuantizedRows {
+  std::vector<int8_t> qs;
+  std::vector<float> d, s;
 };
 
-inline float fp16_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
+inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
 #else
@@ -60,10 +67,9 @@ inline float fp16_to_float(const uint8_t* p) {
 
 // x (k floats, k a multiple of 32) -> k / 32 blocks. d = max|x| / 127, q = round(x * (1 / d)),
 // rounding to nearest even, as torch.round in the reference.
-void quantize_row_q8(const float* x, BlockQ8* out, int64_t k) {
+void quantize_row_q8(const float* x, int8_t* qs, float* ds, float* ss, int64_t k) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
-    BlockQ8& o = out[b];
 #if ATOM_AVX2
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
@@ -83,14 +89,14 @@ void quantize_row_q8(const float* x, BlockQ8* out, int64_t k) {
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_hadd_epi32(s4, s4);
     s4 = _mm_hadd_epi32(s4, s4);
-    o.d = d;
-    o.s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    ds[b] = d;
+    ss[b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
     // int32 -> int8: two packs interleave the 128-bit lanes; the permute restores the order
     const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
     const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.qs), p8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * kBlock), p8);
 #else
     float amax = 0.f;
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
@@ -99,151 +105,160 @@ void quantize_row_q8(const float* x, BlockQ8* out, int64_t k) {
     int32_t sum = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
       const int32_t qi = static_cast<int32_t>(std::nearbyint(xb[i] * id));
-      o.qs[i] = static_cast<int8_t>(qi);
+      qs[b * kBlock + i] = static_cast<int8_t>(qi);
       sum += qi;
     }
-    o.d = d;
-    o.s = d * static_cast<float>(sum);
+    ds[b] = d;
+    ss[b] = d * static_cast<float>(sum);
 #endif
   }
 }
 
-// The dot products of RT consecutive weight rows (nb blocks each, row_bytes apart) with MT
-// activation rows, RT = 1..2, MT = 1..4: out[m * out_stride + r] for r < RT, m < MT. One unpack
-// of each weight block serves the MT activation rows, one load of each activation block the RT
-// weight rows, and the RT * MT accumulators are independent chains (a single chain waits on its
-// FMA latency every block).
-template <int64_t Type, int RT, int MT>
-void dot_rows(const uint8_t* w, int64_t row_bytes, const BlockQ8* const* a, int64_t nb,
-              float* out, int64_t out_stride) {
-  constexpr int64_t bytes = Type == kGgmlTypeQ4_1 ? 20 : 34;
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock, nbp = padded_blocks(nb);
+  QuantizedRows a;
+  a.qs.resize(static_cast<size_t>(rows * k));
+  a.d.assign(static_cast<size_t>(rows * nbp), 0.f);
+  a.s.assign(static_cast<size_t>(rows * nbp), 0.f);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m)
+    quantize_row_q8(xp + m * x.stride(0), a.qs.data() + m * k, a.d.data() + m * nbp,
+                    a.s.data() + m * nbp, k);
+  return a;
+}
+
+// One weight row against MT activation rows (MT = 1..4): out[m * out_stride] for m < MT.
+// qs: the row's quants; d, mn: its scale / minimum planes (nb_pad entries); a_*: activation
+// planes of the MT rows (a_qs rows k apart, a_d / a_s rows nbp apart).
+template <int64_t Type, int MT>
+void dot_row(const uint8_t* qs, const uint16_t* d, const uint16_t* mn, const int8_t* a_qs,
+             const float* a_d, const float* a_s, int64_t nb, int64_t k, int64_t nbp, float* out,
+             int64_t out_stride) {
+  constexpr int64_t qbytes = Type == kGgmlTypeQ4_1 ? 16 : 32;
 #if ATOM_AVX2
-  __m256 acc[RT][MT];
-  float min_sum[RT][MT];
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) {
-      acc[r][m] = _mm256_setzero_ps();
-      min_sum[r][m] = 0.f;
-    }
+  __m256 acc[MT], min_acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = min_acc[m] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i q[RT];
-    float d[RT], mn[RT];
-    for (int r = 0; r < RT; ++r) {
-      const uint8_t* wb = w + r * row_bytes + b * bytes;
-      d[r] = fp16_to_float(wb);
+  const __m128i lo_mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < nb; g += 8) {
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
+    __m256 sd[MT];  // d * da of the group's 8 blocks, per activation row
+    for (int m = 0; m < MT; ++m) sd[m] = _mm256_mul_ps(dv, _mm256_loadu_ps(a_d + m * nbp + g));
+    if constexpr (Type == kGgmlTypeQ4_1) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g)));
+      for (int m = 0; m < MT; ++m)
+        min_acc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a_s + m * nbp + g), min_acc[m]);
+    }
+    const int64_t n = std::min<int64_t>(8, nb - g);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = g + j;
+      __m256i q;
       if constexpr (Type == kGgmlTypeQ4_1) {
-        mn[r] = fp16_to_float(wb + 2);
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 4));
-        const __m128i lo_mask = _mm_set1_epi8(0x0F);
-        q[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), lo_mask),
-                                _mm_and_si128(raw, lo_mask));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * qbytes));
+        q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), lo_mask),
+                             _mm_and_si128(raw, lo_mask));
       } else {
-        q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2));
+        q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * qbytes));
       }
-    }
-    for (int m = 0; m < MT; ++m) {
-      const BlockQ8& ab = a[m][b];
-      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab.qs));
-      for (int r = 0; r < RT; ++r) {
+      const __m256i lane = _mm256_set1_epi32(static_cast<int>(j));
+      for (int m = 0; m < MT; ++m) {
+        const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_qs + m * k + b * kBlock));
         __m256i p;
-        if constexpr (Type == kGgmlTypeQ4_1) {
-          p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], qa), ones16);
-          min_sum[r][m] += mn[r] * ab.s;
-        } else {  // signed x signed: |w| times a with w's sign
-          p = _mm256_madd_epi16(
-              _mm256_maddubs_epi16(_mm256_sign_epi8(q[r], q[r]), _mm256_sign_epi8(qa, q[r])),
-              ones16);
-        }
-        acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * ab.d), _mm256_cvtepi32_ps(p), acc[r][m]);
+        if constexpr (Type == kGgmlTypeQ4_1)
+          p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, qa), ones16);
+        else  // signed x signed: |w| times a with w's sign
+          p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(qa, q)),
+                                ones16);
+        acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sd[m], lane), _mm256_cvtepi32_ps(p), acc[m]);
       }
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) out[m * out_stride + r] = hsum(acc[r][m]) + min_sum[r][m];
+  for (int m = 0; m < MT; ++m) out[m * out_stride] = hsum(acc[m]) + hsum(min_acc[m]);
 #else
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) {
-      float total = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = w + r * row_bytes + b * bytes;
-        const BlockQ8& ab = a[m][b];
-        const float d = fp16_to_float(wb);
-        int32_t sumi = 0;
-        if constexpr (Type == kGgmlTypeQ4_1) {
-          const uint8_t* qs = wb + 4;
-          for (int64_t j = 0; j < kBlock / 2; ++j)
-            sumi += (qs[j] & 15) * ab.qs[j] + (qs[j] >> 4) * ab.qs[j + kBlock / 2];
-          total += d * ab.d * static_cast<float>(sumi) + fp16_to_float(wb + 2) * ab.s;
-        } else {
-          const int8_t* qs = reinterpret_cast<const int8_t*>(wb + 2);
-          for (int64_t j = 0; j < kBlock; ++j) sumi += qs[j] * ab.qs[j];
-          total += d * ab.d * static_cast<float>(sumi);
-        }
+  for (int m = 0; m < MT; ++m) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* qa = a_qs + m * k + b * kBlock;
+      int32_t sumi = 0;
+      if constexpr (Type == kGgmlTypeQ4_1) {
+        const uint8_t* qb = qs + b * qbytes;
+        for (int64_t j = 0; j < kBlock / 2; ++j)
+          sumi += (qb[j] & 15) * qa[j] + (qb[j] >> 4) * qa[j + kBlock / 2];
+        total += half_to_float(d[b]) * a_d[m * nbp + b] * static_cast<float>(sumi) +
+                 half_to_float(mn[b]) * a_s[m * nbp + b];
+      } else {
+        const int8_t* qb = reinterpret_cast<const int8_t*>(qs + b * qbytes);
+        for (int64_t j = 0; j < kBlock; ++j) sumi += qb[j] * qa[j];
+        total += half_to_float(d[b]) * a_d[m * nbp + b] * static_cast<float>(sumi);
       }
-      out[m * out_stride + r] = total;
     }
+    out[m * out_stride] = total;
+  }
 #endif
-}
-
-// RT weight rows from wr against every activation row: tiles of 4 activation rows, then 1-3.
-template <int64_t Type, int RT>
-void rows_against_all(const uint8_t* wr, int64_t row_bytes, const BlockQ8* xq, int64_t rows,
-                      int64_t nb, float* out, int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) {
-    const BlockQ8* a[4] = {xq + m * nb, xq + (m + 1) * nb, xq + (m + 2) * nb, xq + (m + 3) * nb};
-    dot_rows<Type, RT, 4>(wr, row_bytes, a, nb, out + m * n, n);
-  }
-  const BlockQ8* a[3] = {xq + m * nb, xq + (m + 1) * nb, xq + (m + 2) * nb};
-  switch (rows - m) {
-    case 3: dot_rows<Type, RT, 3>(wr, row_bytes, a, nb, out + m * n, n); break;
-    case 2: dot_rows<Type, RT, 2>(wr, row_bytes, a, nb, out + m * n, n); break;
-    case 1: dot_rows<Type, RT, 1>(wr, row_bytes, a, nb, out + m * n, n); break;
-    default: break;
-  }
 }
 
 template <int64_t Type>
-void gguf_linear_impl(const BlockQ8* xq, int64_t rows, int64_t nb, const uint8_t* w,
-                      int64_t row_bytes, int64_t n, float* out) {
-  // Output rows (weight rows) split across threads, in pairs; each weight row is read once from
-  // memory and serves every activation row while it sits in L1. 16 rows per chunk at least: a
-  // small matrix (576 rows) still splits across two threads, and a chunk is a few kB of weights.
+void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uint8_t* qs,
+                      const uint16_t* d, const uint16_t* mn, int64_t n, float* out) {
+  constexpr int64_t qbytes = Type == kGgmlTypeQ4_1 ? 16 : 32;
+  const int64_t nb = k / kBlock, nbp = padded_blocks(nb);
+  // Output rows (weight rows) split across threads; each weight row is read once from memory and
+  // serves every activation row while it sits in L1. 16 rows per chunk at least: a small matrix
+  // (576 rows) still splits across two threads, and a chunk is a few kB of weights.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    int64_t r = begin;
-    for (; r + 2 <= end; r += 2)
-      rows_against_all<Type, 2>(w + r * row_bytes, row_bytes, xq, rows, nb, out + r, n);
-    if (r < end) rows_against_all<Type, 1>(w + r * row_bytes, row_bytes, xq, rows, nb, out + r, n);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* wq = qs + r * nb * qbytes;
+      const uint16_t* wd = d + r * nbp;
+      const uint16_t* wm = mn == nullptr ? nullptr : mn + r * nbp;
+      int64_t m = 0;
+      for (; m + 4 <= rows; m += 4)
+        dot_row<Type, 4>(wq, wd, wm, a.qs.data() + m * k, a.d.data() + m * nbp,
+                         a.s.data() + m * nbp, nb, k, nbp, out + m * n + r, n);
+      const int8_t* aq = a.qs.data() + m * k;
+      const float* ad = a.d.data() + m * nbp;
+      const float* as = a.s.data() + m * nbp;
+      switch (rows - m) {
+        case 3: dot_row<Type, 3>(wq, wd, wm, aq, ad, as, nb, k, nbp, out + m * n + r, n); break;
+        case 2: dot_row<Type, 2>(wq, wd, wm, aq, ad, as, nb, k, nbp, out + m * n + r, n); break;
+        case 1: dot_row<Type, 1>(wq, wd, wm, aq, ad, as, nb, k, nbp, out + m * n + r, n); break;
+        default: break;
+      }
+    }
   });
 }
 
 }  // namespace
 
-at::Tensor gguf_linear(at::Tensor x, at::Tensor weight, int64_t ggml_type) {
+at::Tensor gguf_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
+                       int64_t ggml_type) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be a float32 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
-              "gguf_linear: weight must be a contiguous uint8 [N, row_bytes] tensor of blocks");
   TORCH_CHECK(ggml_type == kGgmlTypeQ4_1 || ggml_type == kGgmlTypeQ8_0,
               "gguf_linear: ggml type ", ggml_type, " is not supported (Q4_1 = 3, Q8_0 = 8)");
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  const int64_t block_bytes = ggml_type == kGgmlTypeQ4_1 ? 20 : 34;
-  TORCH_CHECK(k % kBlock == 0 && weight.size(1) == k / kBlock * block_bytes,
-              "gguf_linear: x has ", k, " columns, weight rows have ", weight.size(1),
-              " bytes; expected K a multiple of 32 and ", k / kBlock * block_bytes, " bytes");
+  const int64_t rows = x.size(0), k = x.size(1), n = qs.size(0);
+  const int64_t nb = k / kBlock, qbytes = ggml_type == kGgmlTypeQ4_1 ? 16 : 32;
+  TORCH_CHECK(k % kBlock == 0 && qs.dim() == 2 && qs.size(1) == nb * qbytes,
+              "gguf_linear: x has ", k, " columns, the weight's quants ", qs.size(1),
+              " bytes a row; expected K a multiple of 32 and ", nb * qbytes, " bytes");
+  TORCH_CHECK(qs.is_contiguous() && (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar),
+              "gguf_linear: quants must be a contiguous uint8 / int8 [N, nb * bytes] tensor");
+  const bool has_min = ggml_type == kGgmlTypeQ4_1;
+  for (const at::Tensor* t : {&d, has_min ? &m : &d})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == n && t->size(1) == padded_blocks(nb),
+                "gguf_linear: scales / minimums must be contiguous float16 [N, ",
+                padded_blocks(nb), "] (blocks rounded up to 8)");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
-  const int64_t nb = k / kBlock;
-  std::vector<BlockQ8> xq(static_cast<size_t>(rows * nb));
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < rows; ++m) quantize_row_q8(xp + m * x.stride(0), xq.data() + m * nb, k);
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const QuantizedRows a = quantize_rows(x);
+  const auto* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
   float* op = out.data_ptr<float>();
-  if (ggml_type == kGgmlTypeQ4_1)
-    gguf_linear_impl<kGgmlTypeQ4_1>(xq.data(), rows, nb, wp, weight.size(1), n, op);
+  if (has_min)
+    gguf_linear_impl<kGgmlTypeQ4_1>(a, rows, k, qp, dp, static_cast<const uint16_t*>(m.data_ptr()),
+                                    n, op);
   else
-    gguf_linear_impl<kGgmlTypeQ8_0>(xq.data(), rows, nb, wp, weight.size(1), n, op);
+    gguf_linear_impl<kGgmlTypeQ8_0>(a, rows, k, qp, dp, nullptr, n, op);
   return out;
 }
 

@@ -43,21 +43,23 @@ void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
 // ties), in two passes over the row instead of torch's three.
 std::tuple<at::Tensor, at::Tensor> logsumexp_argmax(at::Tensor x);
 
-// x [M, K] float32 (rows contiguous, K a multiple of 32) times the GGUF-quantized weight
-// [N, K / 32 * block bytes] uint8 (ggml_type 3 = Q4_1, 8 = Q8_0; rows of blocks, ggml layout),
+// x [M, K] float32 (rows contiguous, K a multiple of 32) times a GGUF-quantized weight in
+// planes (gguf_linear.cpp: quants qs [N, K / 32 * 16 or 32], scales d and, for Q4_1, minimums
+// m float16 [N, K / 32 rounded up to 8]; ggml_type 3 = Q4_1, 8 = Q8_0, whose m is ignored),
 // transposed: float32 [M, N]. The activations are quantized to int8 per block of 32 first.
-at::Tensor gguf_linear(at::Tensor x, at::Tensor weight, int64_t ggml_type);
+at::Tensor gguf_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
+                       int64_t ggml_type);
 
 // One Llama decoder layer for T decode tokens (one per sequence), in place on the residual
 // stream x [T, hidden] float32: the Python layer's ops in its order, the four linear layers on
-// GGUF blocks (weight, ggml type pairs as gguf_linear). kv_cache [2, num_blocks, block_size,
-// H_kv, D] float32 gets the new tokens' K/V at slot_mapping int64 [>= T]; block_tables and
-// context_lens as paged_decode_attention (context lens include the new token); cos, sin [T, D].
+// GGUF planes: weights = (qs, d, m) of qkv, o, gate_up, down (12 tensors, as gguf_linear), types
+// their ggml types. kv_cache [2, num_blocks, block_size, H_kv, D] float32 gets the new tokens'
+// K/V at slot_mapping int64 [>= T]; block_tables and context_lens as paged_decode_attention
+// (context lens include the new token); cos, sin [T, D].
 void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_norm, double eps,
-                         at::Tensor qkv_w, int64_t qkv_type, at::Tensor o_w, int64_t o_type,
-                         at::Tensor gate_up_w, int64_t gate_up_type, at::Tensor down_w,
-                         int64_t down_type, at::Tensor kv_cache, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor context_lens, at::Tensor cos,
-                         at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double scale);
+                         at::TensorList weights, at::IntArrayRef types, at::Tensor kv_cache,
+                         at::Tensor slot_mapping, at::Tensor block_tables,
+                         at::Tensor context_lens, at::Tensor cos, at::Tensor sin,
+                         int64_t num_heads, int64_t num_kv_heads, double scale);
 
 }  // namespace atom_kernels

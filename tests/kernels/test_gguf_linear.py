@@ -16,22 +16,35 @@ from atom.models.llama import QUANTIZED_MAX_ROWS, Linear
 TYPES = {G.Q4_1: gguf.GGMLQuantizationType.Q4_1, G.Q8_0: gguf.GGMLQuantizationType.Q8_0}
 
 
-def random_blocks(ggml_type: int, n: int, k: int, seed: int = 0) -> G.QuantizedWeight:
-    """Random quantized values with plausible fp16 scales (and Q4_1 minimums)."""
+def random_gguf_rows(ggml_type: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows of GGUF blocks (uint8 [n, k / 32 * block bytes], ggml's layout) with random
+    quantized values and plausible fp16 scales (and Q4_1 minimums)."""
     gen = torch.Generator().manual_seed(seed)
     nb, size = k // G.BLOCK, G.BLOCK_BYTES[ggml_type]
     b = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=gen)
     b[..., 0:2] = (torch.rand(n, nb, generator=gen) * 0.02 + 1e-3).half().view(torch.uint8).view(n, nb, 2)
     if ggml_type == G.Q4_1:
         b[..., 2:4] = (torch.randn(n, nb, generator=gen) * 0.05).half().view(torch.uint8).view(n, nb, 2)
-    return G.QuantizedWeight(b.reshape(n, nb * size), ggml_type)
+    return b.reshape(n, nb * size)
+
+
+def random_blocks(ggml_type: int, n: int, k: int, seed: int = 0) -> G.QuantizedWeight:
+    return G.QuantizedWeight.from_gguf_blocks(random_gguf_rows(ggml_type, n, k, seed), ggml_type)
+
+
+def kernel(ops, x: torch.Tensor, w: G.QuantizedWeight) -> torch.Tensor:
+    """The compiled op itself (not the Python wrapper's fallback)."""
+    return ops.gguf_linear(x, w.qs, w.d, w.m, w.ggml_type)
 
 
 @pytest.mark.parametrize("ggml_type", sorted(TYPES))
 def test_dequantize_matches_the_gguf_package(ggml_type):
-    w = random_blocks(ggml_type, 37, 96)
-    expected = gguf_dequantize(w.blocks.numpy(), TYPES[ggml_type]).reshape(37, 96)
+    rows = random_gguf_rows(ggml_type, 37, 96)
+    expected = gguf_dequantize(rows.numpy(), TYPES[ggml_type]).reshape(37, 96)
+    w = G.QuantizedWeight.from_gguf_blocks(rows, ggml_type)
     assert torch.equal(G.dequantize(w), torch.from_numpy(expected.astype(np.float32)))
+    assert w.nbytes >= rows.numel()  # the same bytes, plus the scales' padding to 8 blocks
+    assert torch.equal(G.dequantize(w.select_rows(torch.tensor([5, 0]))), G.dequantize(w)[[5, 0]])
 
 
 def test_quantize_activations_per_block():
@@ -49,7 +62,7 @@ def test_quantize_activations_per_block():
 def test_kernel_matches_reference(ops, ggml_type, n, k, rows):
     w = random_blocks(ggml_type, n, k, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
-    out = ops.gguf_linear(x, w.blocks, ggml_type)
+    out = kernel(ops, x, w)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     ref = G.gguf_linear_reference(x, w)
     # the integer block sums are exact: only the float accumulation order differs
@@ -65,7 +78,7 @@ def test_kernel_is_thread_count_independent(ops, ggml_type):
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(ops.gguf_linear(x, w.blocks, ggml_type))
+            results.append(kernel(ops, x, w))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1])  # each output is one thread's, same order
@@ -80,13 +93,15 @@ def test_kernel_takes_strided_rows(ops):
 def test_kernel_rejects_bad_shapes_and_types(ops):
     w = random_blocks(G.Q4_1, 8, 64)
     with pytest.raises(RuntimeError, match="expected K a multiple of 32"):
-        ops.gguf_linear(torch.randn(2, 96), w.blocks, G.Q4_1)
+        kernel(ops, torch.randn(2, 96), w)
     with pytest.raises(RuntimeError, match="not supported"):
-        ops.gguf_linear(torch.randn(2, 64), w.blocks, 2)  # Q4_0
+        ops.gguf_linear(torch.randn(2, 64), w.qs, w.d, w.m, 2)  # Q4_0
     with pytest.raises(RuntimeError, match="float32"):
-        ops.gguf_linear(torch.randn(2, 64).double(), w.blocks, G.Q4_1)
+        kernel(ops, torch.randn(2, 64).double(), w)
+    with pytest.raises(RuntimeError, match="float16"):
+        ops.gguf_linear(torch.randn(2, 64), w.qs, w.d.float(), w.m, G.Q4_1)
     with pytest.raises(ValueError, match="not supported"):
-        G.QuantizedWeight(w.blocks, 12)
+        G.QuantizedWeight.from_gguf_blocks(random_gguf_rows(G.Q4_1, 8, 64), 12)
 
 
 def test_embedded_model_blocks_match_its_float_weights(ops):
@@ -102,7 +117,7 @@ def test_embedded_model_blocks_match_its_float_weights(ops):
     w = blocks["model.layers.3.mlp.gate_proj.weight"]
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(0))
     exact = x @ float_weights["model.layers.3.mlp.gate_proj.weight"].T
-    out = ops.gguf_linear(x, w.blocks, w.ggml_type)
+    out = kernel(ops, x, w)
     assert (out - exact).abs().max() < 0.02 * exact.abs().max()  # int8 activations: ~0.5 %
     ids = torch.tensor([0, 2, 49151, 5])
     assert torch.equal(G.embedding(blocks["model.embed_tokens.weight"], ids),
@@ -118,7 +133,7 @@ def test_linear_switches_to_the_float_gemm_above_the_row_limit(ops):
     layer.pack_weight()
     for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-        quantized = ops.gguf_linear(x, w.blocks, w.ggml_type)
+        quantized = kernel(ops, x, w)
         out = layer(x)
         if rows <= QUANTIZED_MAX_ROWS:
             assert torch.equal(out, quantized)
