@@ -336,6 +336,7 @@ class MPClient(EngineCoreClient):
         self._sockets = _Sockets(self._ctx)
         self._finalizer = weakref.finalize(self, _release, self._ctx, self._sockets)
         self._outputs: collections.deque[list[SeqOutput]] = collections.deque()
+        self._output_poller: tuple[zmq.Socket, zmq.Poller] | None = None  # see _poll
         # where each rank publishes KV events (from the ready messages; [] when off)
         self.kv_event_publishers: list[PublisherEndpoints] = []
         self.pids: list[int] = []
@@ -549,11 +550,21 @@ class MPClient(EngineCoreClient):
         """
         self._raise_if_failed(check=False)
         output = self._sockets.output
+        if self._output_poller is None or self._output_poller[0] is not output:
+            # one poller per output socket (a recovery replaces the sockets): Socket.poll builds
+            # a new Poller at every call, a third of the front end's CPU per token
+            poller = zmq.Poller()
+            poller.register(output, zmq.POLLIN)
+            self._output_poller = (output, poller)
         got_data = False
-        if output.poll(int(timeout_s * 1000)):
+        if self._output_poller[1].poll(int(timeout_s * 1000)):
             now = time.monotonic()
-            while output.poll(0):
-                message = decode_output(output.recv())
+            while True:
+                try:
+                    frame = output.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                message = decode_output(frame)
                 if isinstance(message, Heartbeat):
                     self._monitor.beat(message, now)
                     continue

@@ -139,3 +139,17 @@ def test_bad_paths_raise_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_tiny_config()))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model_weights(str(tmp_path), torch.float32)
+
+
+def test_quantization_gguf_needs_a_gguf_file_and_float32(tmp_path):
+    from atom.config import EngineConfig
+    from atom.model_loader import load_gguf_blocks
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="pass a .gguf file, or drop --quantization"):
+        load_gguf_blocks(str(tmp_path))
+    with pytest.raises(ValueError, match="use dtype='float32' or 'auto'"):
+        EngineConfig(quantization="gguf", dtype="bfloat16")
+    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
+        EngineConfig(quantization="awq")
+    assert EngineConfig(quantization="gguf").resolved_dtype() == "float32"
