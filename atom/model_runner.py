@@ -99,6 +99,13 @@ class ModelRunner:
         model_cls = get_model_class(arch_config.architecture)
         self.model = model_cls.from_state_dict(
             arch_config, state_dict, dtype=dtype, max_positions=max_model_len, device=self.device)
+        if quantized_weights is not None and self.device.type == "cpu":
+            from atom.kernels import cpu_ops
+
+            if cpu_ops.load() is None:  # the torch reference would dequantize at every step
+                logger.warning("quantization gguf needs atom's C++ kernels (%s): running the "
+                               "float32 path", cpu_ops.unavailable_reason())
+                quantized_weights = None
         if quantized_weights is not None:
             if dtype != torch.float32:
                 raise ValueError("GGUF blocks run in float32: pass dtype float32")

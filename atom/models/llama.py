@@ -170,9 +170,10 @@ class LlamaDecoderLayer(nn.Module):
                          meta: AttentionMetadata) -> None:
         """The layer for a pure decode step on GGUF blocks, as one compiled call
         (``llama_decode_layer_``, ``kernels/csrc/decode_layer.cpp``): the same ops as
-        :meth:`forward` in the same order, so the same result; ``x`` (float32 ``[T, hidden]``,
-        contiguous) becomes the layer's output in place. Only for layers
-        :meth:`LlamaForCausalLM.pack_weights` found ready (every linear on blocks)."""
+        :meth:`forward` in the same order, so the same result, except that with fewer sequences
+        than threads attention splits each context across the threads (equal up to rounding);
+        ``x`` (float32 ``[T, hidden]``, contiguous) becomes the layer's output in place. Only for
+        layers :meth:`LlamaForCausalLM.pack_weights` found ready (every linear on blocks)."""
         weights, (num_heads, num_kv_heads, scale) = self._block_args
         ops.llama_decode_layer_(x, *weights, self.self_attn.kv_cache, meta.slot_mapping,
                                 meta.block_tables, meta.context_lens_tensor, cos, sin, num_heads,
@@ -304,9 +305,8 @@ class LlamaForCausalLM(nn.Module):
             if len({(p.ggml_type, p.in_features) for p in pieces}) != 1:
                 continue
             weight = pieces[0] if len(pieces) == 1 else QuantizedWeight.cat(pieces)
-            expected = (module.weight.shape if name == "embed_tokens"
-                        else (module.weight.shape[0], module.weight.shape[1]))
-            if (weight.out_features, weight.in_features) != tuple(expected):
+            expected = tuple(module.weight.shape)
+            if (weight.out_features, weight.in_features) != expected:
                 raise ValueError(f"GGUF blocks for {name} are [{weight.out_features}, "
                                  f"{weight.in_features}], the layer is {list(expected)}")
             if name == "embed_tokens":

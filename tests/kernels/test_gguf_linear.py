@@ -206,3 +206,26 @@ def test_split_decode_attention_matches_the_kernel(ops, context_len):
         torch.set_num_threads(before)
     torch.testing.assert_close(split, ops.paged_decode_attention(q, kv[0], kv[1], table, lens, 0.125),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernels_the_quantized_mode_runs_the_float_path():
+    """No compiled kernels (ATOM_DISABLE_CPP_KERNELS): the torch reference would dequantize
+    whole matrices at every small step, so the runner keeps the float path and says why."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from atom.model_loader import load_gguf_blocks, load_model_weights\n"
+        "from atom.model_runner import ModelRunner\n"
+        "arch, w = load_model_weights(None, torch.float32)\n"
+        "r = ModelRunner(arch, w, dtype=torch.float32, num_kv_blocks=4, block_size=16,\n"
+        "                max_model_len=64, quantized_weights=load_gguf_blocks(None))\n"
+        "assert r.model.lm_head.qweight is None and not r.model.decode_on_blocks\n"
+        "assert r.model.embed_tokens is not None\n")
+    env = dict(os.environ, ATOM_DISABLE_CPP_KERNELS="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "quantization gguf needs atom's C++ kernels" in done.stderr
