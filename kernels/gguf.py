@@ -94,9 +94,6 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
 
-    def _planes(self) -> tuple[torch.Tensor, ...]:
-        return (self.qs, self.d, self.m) if self.ggml_type == Q4_1 else (self.qs, self.d)
-
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The parts' rows one after the other (a fused qkv or gate/up weight).
@@ -153,11 +150,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 def gguf_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What :func:`gguf_linear` computes, in torch: ``quantize_activations(x) @ dequantize(W).T``."""
     return quantize_activations(x) @ dequantize(weight).T
-
-
-def kernel_available() -> bool:
-    """Whether the compiled kernel is loaded (:mod:`atom.kernels.cpu_ops`)."""
-    return cpu_ops.load() is not None
 
 
 def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
