@@ -1,4 +1,10 @@
-"""atom vs vLLM's CPU build, side by side on identical prompt token ids (issue 7).
+"""atom vs vLLM's CPU build (and, optionally, atom ``--quantization gguf`` and llama.cpp), side
+by side on identical prompt token ids (issues 7 and 20).
+
+``--quantization gguf`` adds the column ``atom-gguf``; ``--llamacpp-python PATH`` (a venv with
+``llama-cpp-python``: the README's recipe) adds ``llamacpp``, llama.cpp on the embedded GGUF file
+itself, one request at a time (its Python API runs one sequence). The report ends with the
+ratios of :data:`RATIOS` whose systems ran.
 
 Workloads (prompt token ids from ``--dataset``, default W1: ``atom/data/w1_prompts.json``),
 all greedy with EOS ignored, prefix caching on, warm-up excluded:
