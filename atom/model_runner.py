@@ -110,11 +110,8 @@ class ModelRunner:
             if dtype != torch.float32:
                 raise ValueError("GGUF blocks run in float32: pass dtype float32")
             attached = self.model.attach_quantized(quantized_weights)
-            unique = {id(w): w for w in [getattr(m, "qweight", None) for m in self.model.modules()]
-                      + [self.model.embed_qweight] if w is not None}
-            logger.info("quantization gguf: %d linear layers / embeddings on GGUF blocks "
-                        "(%.1f MiB)", len(attached),
-                        sum(w.nbytes for w in unique.values()) / 2**20)
+            logger.info("quantization gguf: %d linear layers / embeddings on GGUF blocks",
+                        len(attached))
         if moe_split_experts is not None:
             from atom.models.moe import split_mlps_into_experts
 

@@ -96,7 +96,8 @@ class QuantizedWeight:
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """The parts' rows one after the other (a fused qkv or gate/up weight).
+        """The parts' rows one after the other (a fused qkv or gate/up weight); one part is
+        returned as it is (no copy: a tied LM head shares the embedding's planes).
 
         Raises:
             ValueError: the parts differ in type or in ``in_features``.
@@ -106,6 +107,8 @@ class QuantizedWeight:
                              + ", ".join(f"{TYPE_NAMES[p.ggml_type]} [{p.out_features}, "
                                          f"{p.in_features}]" for p in parts))
         first = parts[0]
+        if len(parts) == 1:
+            return first
         m = torch.cat([p.m for p in parts]) if first.ggml_type == Q4_1 else first.m
         return QuantizedWeight(first.ggml_type, torch.cat([p.qs for p in parts]),
                                torch.cat([p.d for p in parts]), m)

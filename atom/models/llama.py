@@ -301,10 +301,10 @@ class LlamaForCausalLM(nn.Module):
             module = modules.get(name)
             if module is None or not all(s in hf for s in sources):
                 continue  # an MoE block, or a tensor stored in a type the kernels do not read
-            pieces = [hf[s] for s in sources]
-            if len({(p.ggml_type, p.in_features) for p in pieces}) != 1:
+            try:  # parts of different types or widths cannot fuse: that layer stays float
+                weight = QuantizedWeight.cat([hf[s] for s in sources])
+            except ValueError:
                 continue
-            weight = pieces[0] if len(pieces) == 1 else QuantizedWeight.cat(pieces)
             expected = tuple(module.weight.shape)
             if (weight.out_features, weight.in_features) != expected:
                 raise ValueError(f"GGUF blocks for {name} are [{weight.out_features}, "
