@@ -295,6 +295,18 @@ class LLMEngine:
         """Each DP rank's stats (one rank: ``[get_stats()]``); recovers as :meth:`get_stats`."""
         return self._call_recovering(self.client.get_rank_stats)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every rank's prefix cache (cached blocks no running sequence uses go back to
+        the free list, an ``AllBlocksCleared`` KV event is published). True when every rank
+        did it, False when some rank had blocks in use (those ranks keep their cache).
+
+        Raises:
+            EngineDeadError: the deployment cannot go on.
+        """
+        results = self._call_recovering(
+            lambda: self.client.call_utility_per_rank("reset_prefix_cache"))
+        return all(r["reset"] for r in results)
+
     def front_end_stats(self) -> dict:
         """Counters of the front end that belong to no rank: the client's (rank failures,
         recoveries, ``dp_size``, ``generation``; the DP client's KV event subscriber:

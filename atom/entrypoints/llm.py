@@ -105,6 +105,13 @@ class LLM:
         rank); one rank: ``[get_stats()]``."""
         return self._engine.get_rank_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache of every rank, as vLLM's ``LLM.reset_prefix_cache``: the next
+        prompts start cold (benchmarks that repeat a workload call it between runs). Returns
+        False when a rank still had blocks in use (nothing is running between ``generate``
+        calls, so it returns True there)."""
+        return self._engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = False,

@@ -74,3 +74,20 @@ def test_shutdown_is_final():
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("hi")
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_cold(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    prompt = list(range(100, 100 + 3 * 16 + 4))  # three full blocks
+
+    def hits_of_one_run() -> int:
+        before = llm.get_stats()["prefix_cache_hits"]
+        llm.generate([prompt], params)
+        return llm.get_stats()["prefix_cache_hits"] - before
+
+    hits_of_one_run()
+    assert hits_of_one_run() == 3 * 16  # the three full blocks came from the cache
+    assert llm.reset_prefix_cache() is True
+    assert hits_of_one_run() == 0
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
