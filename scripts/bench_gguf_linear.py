@@ -12,7 +12,9 @@ one hot matrix would fit in), reported per layer:
   float32 mode runs.
 
 and the whole model's linear time per step (30 layers x 4 matrices + the LM head at one row)
-for both. Prints a table with the ratio float / quantized per row count (> 1: the quantized
+for both. On a CPU with AVX-512 VNNI (where the kernels take their 512-bit path) it also builds
+``gguf_linear.cpp`` a second time without AVX-512 (``-mno-avx512f``: the AVX2 path, about 20 s)
+and times that too, printing AVX2 ms / AVX-512 ms per layer and step. Prints a table with the ratio float / quantized per row count (> 1: the quantized
 kernel is faster) and the largest row count at which the quantized kernel wins for every
 layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`.
 
@@ -34,6 +36,48 @@ ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 LAYERS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "down_proj": ("mlp.down_proj",)}
+
+
+# AVX-512 subsets the kernels' 512-bit path needs (kernels/csrc/vec.h: ATOM_AVX512_VNNI)
+AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_AVX2_BINDINGS = """
+#include <torch/library.h>
+#include "ops.h"
+TORCH_LIBRARY(atom_kernels_avx2, m) {
+  m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int ggml_type) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(atom_kernels_avx2, CPU, m) { m.impl("gguf_linear", &atom_kernels::gguf_linear); }
+"""
+
+
+def _has_avx512_vnni() -> bool:
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+    return all(f in flags for f in AVX512_VNNI_FLAGS)
+
+
+def _avx2_gguf_linear():
+    """``gguf_linear.cpp`` built as the kernels are, less AVX-512: its op, registered as
+    ``torch.ops.atom_kernels_avx2.gguf_linear`` (its namespace renamed by a macro, so the two
+    builds' symbols never meet)."""
+    import tempfile
+
+    import torch
+    from torch.utils import cpp_extension
+
+    from atom.kernels import build
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="atom-gguf-avx2-"))
+    (folder / "avx2_bindings.cpp").write_text(_AVX2_BINDINGS)
+    cpp_extension.load(name="atom_gguf_linear_avx2",
+                       sources=[str(build.CSRC / "gguf_linear.cpp"), str(folder / "avx2_bindings.cpp")],
+                       extra_cflags=[*build.CFLAGS, "-mno-avx512f", "-Datom_kernels=atom_kernels_avx2"],
+                       extra_ldflags=list(build.LDFLAGS), extra_include_paths=[str(build.CSRC)],
+                       build_directory=str(folder), is_python_module=False, verbose=False)
+    return torch.ops.atom_kernels_avx2.gguf_linear
 
 
 def _best_ms(fn, x, *, min_time_s: float = 0.2) -> float:
@@ -65,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.num_threads)
     if cpu_ops.load() is None:
         raise SystemExit(f"the C++ kernels are not built: {cpu_ops.unavailable_reason()}")
+    avx2_op = None
+    if _has_avx512_vnni():
+        print("building gguf_linear.cpp without AVX-512 (the AVX2 baseline) ...", flush=True)
+        avx2_op = _avx2_gguf_linear()
     arch, weights = load_model_weights(None, torch.float32)
     blocks = load_gguf_blocks(None)
     shapes = {}
@@ -86,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 f_ms = _best_ms(lambda t: [packed_linear(t, pw) for pw in packed], x)
                 results[name][rows] = {"quantized_ms": q_ms / len(layers),
                                        "float_ms": f_ms / len(layers)}
+                if avx2_op is not None:
+                    a_ms = _best_ms(lambda t: [avx2_op(t, qw.qs, qw.d, qw.m, qw.ggml_type)
+                                               for qw in quantized], x)
+                    results[name][rows]["quantized_avx2_ms"] = a_ms / len(layers)
     shapes = {name: layers[0] for name, layers in shapes.items()}
     print(f"{cpu_description()}; {args.num_threads} threads; best of >= 0.2 s per cell; ms per layer")
     print(f"{'layer':<14}{'[out, in]':>14}" + "".join(f"{r:>9}" for r in args.rows)
@@ -104,6 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
         f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r]['float_ms']:<4.0f}"[:9].rjust(9)
         for r in args.rows) + "   (quantized / float)")
+    if avx2_op is not None:
+        print("the quantized kernel's AVX-512 VNNI path against its AVX2 path (AVX2 ms / AVX-512 ms):")
+        for name, (qw, _) in shapes.items():
+            ratios = [results[name][r]["quantized_avx2_ms"] / results[name][r]["quantized_ms"]
+                      for r in args.rows]
+            print(f"{name:<14}{f'[{qw.out_features}, {qw.in_features}]':>14}"
+                  + "".join(f"{v:>8.2f}x" for v in ratios))
+        for rows in args.rows:
+            per_step[rows]["quantized_avx2_ms"] = (
+                sum(results[n][rows]["quantized_avx2_ms"] for n in LAYERS) * arch.num_hidden_layers
+                + results["lm_head"][rows]["quantized_avx2_ms"])
+        print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
+            f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r]['quantized_avx2_ms']:<4.1f}"[:9].rjust(9)
+            for r in args.rows) + "   (AVX-512 / AVX2)")
     wins = [r for r in args.rows if all(results[n][r]["quantized_ms"] < results[n][r]["float_ms"]
                                         for n in results)]
     largest = max((r for r in args.rows if all(w in wins for w in args.rows if w <= r)), default=0)

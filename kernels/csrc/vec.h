@@ -14,6 +14,15 @@
 #define ATOM_AVX2 0
 #endif
 
+// ATOM_AVX512_VNNI is 1 when the build machine also has AVX-512 F/BW/VL and VNNI (VPDPBUSD):
+// kernels with a 512-bit path take it, the rest keep their AVX2 one.
+#if ATOM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define ATOM_AVX512_VNNI 1
+#else
+#define ATOM_AVX512_VNNI 0
+#endif
+
 namespace atom_kernels {
 
 #if ATOM_AVX2
