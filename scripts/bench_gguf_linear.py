@@ -12,11 +12,12 @@ one hot matrix would fit in), reported per layer:
   float32 mode runs.
 
 and the whole model's linear time per step (30 layers x 4 matrices + the LM head at one row)
-for both. On a CPU with AVX-512 VNNI (where the kernels take their 512-bit path) it also builds
-``gguf_linear.cpp`` a second time without AVX-512 (``-mno-avx512f``: the AVX2 path, about 20 s)
-and times that too, printing AVX2 ms / AVX-512 ms per layer and step. Prints a table with the ratio float / quantized per row count (> 1: the quantized
+for both. Prints a table with the ratio float / quantized per row count (> 1: the quantized
 kernel is faster) and the largest row count at which the quantized kernel wins for every
-layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`.
+layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`. On a CPU with AVX-512
+VNNI (where the kernels take their 512-bit path) it also builds ``gguf_linear.cpp`` a second
+time without AVX-512 (``-mno-avx512f``: the AVX2 path, about 20 s), times it on the same
+inputs and prints AVX2 ms / AVX-512 ms per layer and per step (JSON: ``quantized_avx2_ms``).
 
     .venv/bin/python scripts/bench_gguf_linear.py [--num-threads 2] [--rows 1 2 4 8 16 32]
 
