@@ -18,15 +18,24 @@ def write_json_report(path: pathlib.Path, report: dict) -> None:
     print(f"wrote {path}")
 
 
-def cpu_description() -> str:
-    """The CPU's model name, core count and the SIMD flags our kernels care about."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first ``name : value`` line's value in ``/proc/cpuinfo`` (None: no such line / file)."""
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "unknown CPU"
-    model = next((l.split(":", 1)[1].strip() for l in info.splitlines()
-                  if l.startswith("model name")), "unknown CPU")
-    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+        return None
+    return next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith(name)), None)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_description() -> str:
+    """The CPU's model name, core count and the SIMD flags our kernels care about."""
+    model = _cpuinfo_field("model name") or "unknown CPU"
+    flags = cpu_flags()
     wanted = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
               if f in flags]
     return f"{model}, {os.cpu_count()} cores, flags {' '.join(wanted)}"

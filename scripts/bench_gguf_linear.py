@@ -31,7 +31,7 @@ import os
 import pathlib
 import time
 
-from bench_common import cpu_description, write_json_report
+from bench_common import cpu_description, cpu_flags, write_json_report
 
 ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 LAYERS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -49,15 +49,6 @@ TORCH_LIBRARY(atom_kernels_avx2, m) {
 }
 TORCH_LIBRARY_IMPL(atom_kernels_avx2, CPU, m) { m.impl("gguf_linear", &atom_kernels::gguf_linear); }
 """
-
-
-def _has_avx512_vnni() -> bool:
-    try:
-        info = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
-    return all(f in flags for f in AVX512_VNNI_FLAGS)
 
 
 def _avx2_gguf_linear():
@@ -111,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_ops.load() is None:
         raise SystemExit(f"the C++ kernels are not built: {cpu_ops.unavailable_reason()}")
     avx2_op = None
-    if _has_avx512_vnni():
+    if cpu_flags().issuperset(AVX512_VNNI_FLAGS):
         print("building gguf_linear.cpp without AVX-512 (the AVX2 baseline) ...", flush=True)
         avx2_op = _avx2_gguf_linear()
     arch, weights = load_model_weights(None, torch.float32)

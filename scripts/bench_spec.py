@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import DEFAULT_DATASET, write_json_report  # noqa: E402
+from bench_common import DEFAULT_DATASET, cpu_description, write_json_report  # noqa: E402
 
 PARAGRAPHS = [
     "The library opens at nine in the morning and closes at six in the evening. Members may "
@@ -154,18 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in workloads.values():
                 r.pop("token_ids")
         write_json_report(args.output_json, {"args": {k: str(v) for k, v in vars(args).items()},
-                                             "cpu_flags": _cpu_flags(), "results": results})
+                                             "cpu": cpu_description(), "results": results})
     return 0
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(flag for flag in wanted if f" {flag}" in line)
 
 
 if __name__ == "__main__":

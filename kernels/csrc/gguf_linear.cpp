@@ -169,7 +169,8 @@ void dot_row(const uint8_t* qs, const uint16_t* d, const uint16_t* mn, const int
       const int64_t b = g + j;
       const bool both = j + 1 < n;
       const __mmask64 act_mask = both ? ~0ULL : 0xFFFFFFFFULL;
-      __m512i w;
+      __m512i w;            // the u8 operand of VPDPBUSD
+      __mmask64 w_neg = 0;  // Q8_0 (signed x signed): |w| against a with w's sign (-128 -> 128)
       if constexpr (Type == kGgmlTypeQ4_1) {
         // raw = [b's 16 bytes, b + 1's 16 bytes] -> 128-bit lanes [b, b, b + 1, b + 1]; lanes 1
         // and 3 take the high nibbles (values 16-31)
@@ -178,25 +179,15 @@ void dot_row(const uint8_t* qs, const uint16_t* d, const uint16_t* mn, const int
         w = _mm512_shuffle_i64x2(wide, wide, _MM_SHUFFLE(1, 1, 0, 0));
         w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFF00FF00u, w, 4), lo_mask);
       } else {
-        w = _mm512_maskz_loadu_epi8(act_mask, qs + b * qbytes);
+        const __m512i raw = _mm512_maskz_loadu_epi8(act_mask, qs + b * qbytes);
+        w = _mm512_abs_epi8(raw);
+        w_neg = _mm512_movepi8_mask(raw);
       }
       const __m512i idx = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(static_cast<int>(j)));
-      // Q8_0 is signed x signed: |w| (u8; -128 -> 128) against a with w's sign
-      __m512i w_abs;
-      __mmask64 w_neg = 0;
-      if constexpr (Type == kGgmlTypeQ8_0) {
-        w_abs = _mm512_abs_epi8(w);
-        w_neg = _mm512_movepi8_mask(w);
-      }
       for (int m = 0; m < MT; ++m) {
         __m512i qa = _mm512_maskz_loadu_epi8(act_mask, a_qs + m * k + b * kBlock);
-        __m512i p;
-        if constexpr (Type == kGgmlTypeQ4_1) {
-          p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, qa);
-        } else {
-          qa = _mm512_mask_sub_epi8(qa, w_neg, _mm512_setzero_si512(), qa);
-          p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, qa);
-        }
+        if constexpr (Type == kGgmlTypeQ8_0) qa = _mm512_mask_sub_epi8(qa, w_neg, _mm512_setzero_si512(), qa);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, qa);
         acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sd[m]), _mm512_cvtepi32_ps(p), acc[m]);
       }
     }
