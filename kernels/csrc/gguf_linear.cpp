@@ -255,6 +255,16 @@ void dot_row(const uint8_t* qs, const uint16_t* d, const uint16_t* mn, const int
 #endif
 }
 
+// Software prefetch distance in weight rows: while a thread computes row r it asks for the
+// cache lines of row r + kPrefetchRows (quants, scales, minimums: 2-6 kB ahead for these
+// shapes). With the hardware prefetcher alone a decode step's linears were 1.16-1.19x slower
+// (docs/PERFORMANCE.md): each thread's share of a small matrix is a few tens of kB, too short
+// a stream for the prefetcher to ramp up to the memory's bandwidth.
+#ifndef ATOM_PREFETCH_ROWS
+#define ATOM_PREFETCH_ROWS 8
+#endif
+constexpr int64_t kPrefetchRows = ATOM_PREFETCH_ROWS;
+
 template <int64_t Type>
 void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uint8_t* qs,
                       const uint16_t* d, const uint16_t* mn, int64_t n, float* out) {
@@ -265,6 +275,15 @@ void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uin
   // (576 rows) still splits across two threads, and a chunk is a few kB of weights.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      if (kPrefetchRows > 0 && r + kPrefetchRows < end) {
+        const int64_t p = r + kPrefetchRows;
+        const char* pq = reinterpret_cast<const char*>(qs + p * nb * qbytes);
+        for (int64_t o = 0; o < nb * qbytes; o += 64) _mm_prefetch(pq + o, _MM_HINT_T0);
+        for (int64_t o = 0; o < nbp * 2; o += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(d + p * nbp) + o, _MM_HINT_T0);
+          if (mn != nullptr) _mm_prefetch(reinterpret_cast<const char*>(mn + p * nbp) + o, _MM_HINT_T0);
+        }
+      }
       const uint8_t* wq = qs + r * nb * qbytes;
       const uint16_t* wd = d + r * nbp;
       const uint16_t* wm = mn == nullptr ? nullptr : mn + r * nbp;
