@@ -14,10 +14,13 @@ one hot matrix would fit in), reported per layer:
 and the whole model's linear time per step (30 layers x 4 matrices + the LM head at one row)
 for both. Prints a table with the ratio float / quantized per row count (> 1: the quantized
 kernel is faster) and the largest row count at which the quantized kernel wins for every
-layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`. On a CPU with AVX-512
-VNNI (where the kernels take their 512-bit path) it also builds ``gguf_linear.cpp`` a second
-time without AVX-512 (``-mno-avx512f``: the AVX2 path, about 20 s), times it on the same
-inputs and prints AVX2 ms / AVX-512 ms per layer and per step (JSON: ``quantized_avx2_ms``).
+layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`. Baselines of the
+quantized kernel itself, each ``gguf_linear.cpp`` built again with a compiler flag (about 20 s
+each), timed on the same inputs, printed as baseline ms / ms per layer and per step:
+
+- without software prefetch (``-DATOM_PREFETCH_ROWS=0``; JSON ``quantized_no_prefetch_ms``);
+- on a CPU with AVX-512 VNNI (where the kernels take their 512-bit path), without AVX-512
+  (``-mno-avx512f``: the AVX2 path; JSON ``quantized_avx2_ms``).
 
     .venv/bin/python scripts/bench_gguf_linear.py [--num-threads 2] [--rows 1 2 4 8 16 32]
 
@@ -41,20 +44,21 @@ LAYERS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj
 
 # AVX-512 subsets the kernels' 512-bit path needs (kernels/csrc/vec.h: ATOM_AVX512_VNNI)
 AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_AVX2_BINDINGS = """
+_BASELINE_BINDINGS = """
 #include <torch/library.h>
 #include "ops.h"
-TORCH_LIBRARY(atom_kernels_avx2, m) {
+TORCH_LIBRARY(atom_kernels_NAME, m) {
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int ggml_type) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(atom_kernels_avx2, CPU, m) { m.impl("gguf_linear", &atom_kernels::gguf_linear); }
+TORCH_LIBRARY_IMPL(atom_kernels_NAME, CPU, m) { m.impl("gguf_linear", &atom_kernels::gguf_linear); }
 """
 
 
-def _avx2_gguf_linear():
-    """``gguf_linear.cpp`` built as the kernels are, less AVX-512: its op, registered as
-    ``torch.ops.atom_kernels_avx2.gguf_linear`` (its namespace renamed by a macro, so the two
-    builds' symbols never meet)."""
+def _baseline_gguf_linear(name: str, flags: list[str]):
+    """``gguf_linear.cpp`` built as the kernels are plus ``flags`` (``-mno-avx512f``: the AVX2
+    path; ``-DATOM_PREFETCH_ROWS=0``: no software prefetch): its op, registered as
+    ``torch.ops.atom_kernels_<name>.gguf_linear`` (its namespace renamed by a macro, so the
+    builds' symbols never meet). About 20 s."""
     import tempfile
 
     import torch
@@ -62,14 +66,15 @@ def _avx2_gguf_linear():
 
     from atom.kernels import build
 
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="atom-gguf-avx2-"))
-    (folder / "avx2_bindings.cpp").write_text(_AVX2_BINDINGS)
-    cpp_extension.load(name="atom_gguf_linear_avx2",
-                       sources=[str(build.CSRC / "gguf_linear.cpp"), str(folder / "avx2_bindings.cpp")],
-                       extra_cflags=[*build.CFLAGS, "-mno-avx512f", "-Datom_kernels=atom_kernels_avx2"],
+    namespace = f"atom_kernels_{name}"
+    folder = pathlib.Path(tempfile.mkdtemp(prefix=f"atom-gguf-{name}-"))
+    (folder / "bindings.cpp").write_text(_BASELINE_BINDINGS.replace("atom_kernels_NAME", namespace))
+    cpp_extension.load(name=f"atom_gguf_linear_{name}",
+                       sources=[str(build.CSRC / "gguf_linear.cpp"), str(folder / "bindings.cpp")],
+                       extra_cflags=[*build.CFLAGS, *flags, f"-Datom_kernels={namespace}"],
                        extra_ldflags=list(build.LDFLAGS), extra_include_paths=[str(build.CSRC)],
                        build_directory=str(folder), is_python_module=False, verbose=False)
-    return torch.ops.atom_kernels_avx2.gguf_linear
+    return getattr(torch.ops, namespace).gguf_linear
 
 
 def _best_ms(fn, x, *, min_time_s: float = 0.2) -> float:
@@ -101,10 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.num_threads)
     if cpu_ops.load() is None:
         raise SystemExit(f"the C++ kernels are not built: {cpu_ops.unavailable_reason()}")
-    avx2_op = None
+    # builds of the kernel to time against, (name, what it lacks, extra compiler flags)
+    baselines = [("no_prefetch", "software prefetch", ["-DATOM_PREFETCH_ROWS=0"])]
     if cpu_flags().issuperset(AVX512_VNNI_FLAGS):
-        print("building gguf_linear.cpp without AVX-512 (the AVX2 baseline) ...", flush=True)
-        avx2_op = _avx2_gguf_linear()
+        baselines.append(("avx2", "AVX-512 (its AVX2 path)", ["-mno-avx512f"]))
+    baseline_ops = {}
+    for name, lacks, flags in baselines:
+        print(f"building gguf_linear.cpp without {lacks} ...", flush=True)
+        baseline_ops[name] = _baseline_gguf_linear(name, flags)
     arch, weights = load_model_weights(None, torch.float32)
     blocks = load_gguf_blocks(None)
     shapes = {}
@@ -126,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                 f_ms = _best_ms(lambda t: [packed_linear(t, pw) for pw in packed], x)
                 results[name][rows] = {"quantized_ms": q_ms / len(layers),
                                        "float_ms": f_ms / len(layers)}
-                if avx2_op is not None:
-                    a_ms = _best_ms(lambda t: [avx2_op(t, qw.qs, qw.d, qw.m, qw.ggml_type)
+                for base, op in baseline_ops.items():
+                    b_ms = _best_ms(lambda t: [op(t, qw.qs, qw.d, qw.m, qw.ggml_type)
                                                for qw in quantized], x)
-                    results[name][rows]["quantized_avx2_ms"] = a_ms / len(layers)
+                    results[name][rows][f"quantized_{base}_ms"] = b_ms / len(layers)
     shapes = {name: layers[0] for name, layers in shapes.items()}
     print(f"{cpu_description()}; {args.num_threads} threads; best of >= 0.2 s per cell; ms per layer")
     print(f"{'layer':<14}{'[out, in]':>14}" + "".join(f"{r:>9}" for r in args.rows)
@@ -148,20 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
         f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r]['float_ms']:<4.0f}"[:9].rjust(9)
         for r in args.rows) + "   (quantized / float)")
-    if avx2_op is not None:
-        print("the quantized kernel's AVX-512 VNNI path against its AVX2 path (AVX2 ms / AVX-512 ms):")
+    for base, lacks, _ in baselines:
+        key = f"quantized_{base}_ms"
+        print(f"the quantized kernel against its build without {lacks} ({base} ms / ms):")
         for name, (qw, _) in shapes.items():
-            ratios = [results[name][r]["quantized_avx2_ms"] / results[name][r]["quantized_ms"]
-                      for r in args.rows]
+            ratios = [results[name][r][key] / results[name][r]["quantized_ms"] for r in args.rows]
             print(f"{name:<14}{f'[{qw.out_features}, {qw.in_features}]':>14}"
                   + "".join(f"{v:>8.2f}x" for v in ratios))
         for rows in args.rows:
-            per_step[rows]["quantized_avx2_ms"] = (
-                sum(results[n][rows]["quantized_avx2_ms"] for n in LAYERS) * arch.num_hidden_layers
-                + results["lm_head"][rows]["quantized_avx2_ms"])
+            per_step[rows][key] = (sum(results[n][rows][key] for n in LAYERS) * arch.num_hidden_layers
+                                   + results["lm_head"][rows][key])
         print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
-            f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r]['quantized_avx2_ms']:<4.1f}"[:9].rjust(9)
-            for r in args.rows) + "   (AVX-512 / AVX2)")
+            f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r][key]:<4.1f}"[:9].rjust(9)
+            for r in args.rows) + f"   (ms / {base} ms)")
     wins = [r for r in args.rows if all(results[n][r]["quantized_ms"] < results[n][r]["float_ms"]
                                         for n in results)]
     largest = max((r for r in args.rows if all(w in wins for w in args.rows if w <= r)), default=0)
