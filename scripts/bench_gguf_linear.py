@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             per_step[rows][key] = (sum(results[n][rows][key] for n in LAYERS) * arch.num_hidden_layers
                                    + results["lm_head"][rows][key])
         print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
-            f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r][key]:<4.1f}"[:9].rjust(9)
+            f"{per_step[r]['quantized_ms']:.1f}/{per_step[r][key]:.1f}".rjust(10)
             for r in args.rows) + f"   (ms / {base} ms)")
     wins = [r for r in args.rows if all(results[n][r]["quantized_ms"] < results[n][r]["float_ms"]
                                         for n in results)]
