@@ -147,15 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [results[name][r]["float_ms"] / results[name][r]["quantized_ms"] for r in args.rows]
         print(f"{name:<14}{f'[{qw.out_features}, {qw.in_features}]':>14}"
               + "".join(f"{v:>8.2f}x" for v in ratios))
-    per_step = {}
-    for rows in args.rows:  # a decode step of `rows` sequences: every layer at rows, LM head too
-        q = sum(results[n][rows]["quantized_ms"] for n in LAYERS) * arch.num_hidden_layers
-        f = sum(results[n][rows]["float_ms"] for n in LAYERS) * arch.num_hidden_layers
-        q += results["lm_head"][rows]["quantized_ms"]
-        f += results["lm_head"][rows]["float_ms"]
-        per_step[rows] = {"quantized_ms": q, "float_ms": f}
+    def step_ms(rows: int, key: str) -> float:  # a decode step of `rows` sequences, LM head too
+        return (sum(results[n][rows][key] for n in LAYERS) * arch.num_hidden_layers
+                + results["lm_head"][rows][key])
+
+    per_step = {r: {"quantized_ms": step_ms(r, "quantized_ms"), "float_ms": step_ms(r, "float_ms")}
+                for r in args.rows}
     print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
-        f"{per_step[r]['quantized_ms']:>5.1f}/{per_step[r]['float_ms']:<4.0f}"[:9].rjust(9)
+        f"{per_step[r]['quantized_ms']:.1f}/{per_step[r]['float_ms']:.0f}".rjust(10)
         for r in args.rows) + "   (quantized / float)")
     for base, lacks, _ in baselines:
         key = f"quantized_{base}_ms"
@@ -165,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<14}{f'[{qw.out_features}, {qw.in_features}]':>14}"
                   + "".join(f"{v:>8.2f}x" for v in ratios))
         for rows in args.rows:
-            per_step[rows][key] = (sum(results[n][rows][key] for n in LAYERS) * arch.num_hidden_layers
-                                   + results["lm_head"][rows][key])
+            per_step[rows][key] = step_ms(rows, key)
         print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
             f"{per_step[r]['quantized_ms']:.1f}/{per_step[r][key]:.1f}".rjust(10)
             for r in args.rows) + f"   (ms / {base} ms)")
