@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 OP_NAMES = ("paged_decode_attention", "paged_decode_attention_split", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
             "rotary_embedding_", "logsumexp_argmax", "gguf_linear",
-            "llama_decode_layer_")
+            "gguf_gemm_tiled", "gguf_gemm_tiled_is_simd", "llama_decode_layer_")
 
 
 class CpuOps:

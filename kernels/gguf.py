@@ -46,12 +46,15 @@ class QuantizedWeight:
         d: float16 ``[N, nb_pad]``: each block's scale; ``nb_pad`` = nb rounded up to 8, zeros
             after ``nb`` (the kernel reads the scales 8 blocks at a time).
         m: float16 ``[N, nb_pad]``: Q4_1's block minimums; for Q8_0 an empty tensor.
+        tiled: the same weight repacked for :func:`gguf_gemm_tiled` (:meth:`with_tiles`), which
+            :func:`gguf_linear` then uses; None (the row kernel on the planes) by default.
     """
 
     ggml_type: int
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
+    tiled: TiledWeight | None = None
 
     @staticmethod
     def from_gguf_blocks(blocks: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -113,11 +116,70 @@ class QuantizedWeight:
         return QuantizedWeight(first.ggml_type, torch.cat([p.qs for p in parts]),
                                torch.cat([p.d for p in parts]), m)
 
+    def with_tiles(self) -> QuantizedWeight:
+        """This weight (the same planes) plus its :class:`TiledWeight` copy, so that
+        :func:`gguf_linear` runs the tiled kernel: a second copy of the quants (about the
+        planes' size; the scales as float32)."""
+        return QuantizedWeight(self.ggml_type, self.qs, self.d, self.m,
+                               TiledWeight.from_quantized(self))
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (int64 ``[N']``), e.g. a permutation of the output features."""
         m = self.m.index_select(0, index) if self.ggml_type == Q4_1 else self.m
         return QuantizedWeight(self.ggml_type, self.qs.index_select(0, index),
                                self.d.index_select(0, index), m)
+
+
+#: Output rows a tile of :class:`TiledWeight` (the 16 int32 lanes of a 512-bit register).
+TILE = 16
+
+
+@dataclass
+class TiledWeight:
+    """A :class:`QuantizedWeight` repacked for :func:`gguf_gemm_tiled`: the output rows in tiles
+    of :data:`TILE` (the last one padded with zero rows), each tile's blocks with the 16 rows'
+    quants interleaved 4 bytes at a time (``kernels/csrc/gguf_linear.cpp`` says why).
+
+    Attributes:
+        ggml_type: :data:`Q4_1` or :data:`Q8_0`.
+        out_features: N, the rows before padding.
+        wq: ``uint8 [T, nb * Q * 64]``, T = ceil(N / 16), Q = 4 (Q4_1) or 8 (Q8_0): per block,
+            vector ``p`` holds bytes ``4p..4p+3`` of each of the 16 rows' quants in turn; Q8_0's
+            int8 quants stored as ``q + 128``.
+        wd: float32 ``[T, nb, 16]``: the block scales; wm: float32 ``[T, nb, 16]``, Q4_1's
+            block minimums (empty for Q8_0).
+    """
+
+    ggml_type: int
+    out_features: int
+    wq: torch.Tensor
+    wd: torch.Tensor
+    wm: torch.Tensor
+
+    @staticmethod
+    def from_quantized(weight: QuantizedWeight) -> TiledWeight:
+        """Repack ``weight`` (the same values: :func:`dequantize` of both agree)."""
+        n, nb = weight.out_features, weight.in_features // BLOCK
+        tiles = -(-n // TILE)
+        pad = tiles * TILE - n
+        qbytes = _QUANT_BYTES[weight.ggml_type]
+        qs = weight.qs.view(torch.uint8)
+        if weight.ggml_type == Q8_0:
+            qs = qs ^ 0x80  # int8 q -> uint8 q + 128
+        qs = torch.nn.functional.pad(qs, (0, 0, 0, pad))
+        wq = (qs.reshape(tiles, TILE, nb, qbytes // 4, 4).permute(0, 2, 3, 1, 4)
+              .reshape(tiles, nb * qbytes * TILE).contiguous())
+
+        def plane(values: torch.Tensor) -> torch.Tensor:
+            values = torch.nn.functional.pad(values[:, :nb].float(), (0, 0, 0, pad))
+            return values.reshape(tiles, TILE, nb).transpose(1, 2).contiguous()
+
+        wm = plane(weight.m) if weight.ggml_type == Q4_1 else torch.empty(0)
+        return TiledWeight(weight.ggml_type, n, wq, plane(weight.d), wm)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.wd, self.wm))
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
@@ -155,9 +217,17 @@ def gguf_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
     return quantize_activations(x) @ dequantize(weight).T
 
 
+def tiled_kernel_is_simd() -> bool:
+    """Whether :func:`gguf_gemm_tiled` runs its AVX-512 VNNI path here (the kernels built on a
+    CPU with AVX-512 F/BW/VL and VNNI); elsewhere it is a scalar loop and weights stay untiled."""
+    ops = cpu_ops.load()
+    return ops is not None and bool(ops.gguf_gemm_tiled_is_simd())
+
+
 def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x @ W.T`` with ``W`` in GGUF blocks, by the compiled kernel (multi-threaded over output
-    rows, torch's intra-op thread count), or the torch reference when it is not built.
+    rows, torch's intra-op thread count): the tiled one when ``weight.tiled`` is set, else the
+    row kernel on the planes; the torch reference when the kernels are not built.
 
     Args:
         x: float32 ``[M, in_features]`` (any M, zero included), CPU.
@@ -169,5 +239,26 @@ def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     ops = cpu_ops.load()
     if ops is None:
         return gguf_linear_reference(x, weight)
+    if weight.tiled is not None:
+        return gguf_gemm_tiled(x, weight.tiled)
     return ops.gguf_linear(x if x.stride(-1) == 1 else x.contiguous(), weight.qs, weight.d,
                            weight.m, weight.ggml_type)
+
+
+def gguf_gemm_tiled(x: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
+    """``x @ W.T`` like :func:`gguf_linear` (the same int8 activations, the same sums), on the
+    tiled copy: 16 output rows per 512-bit register, for batches (AVX-512 VNNI; elsewhere a
+    scalar loop that only the tests call).
+
+    Args:
+        x: float32 ``[M, in_features]`` (any M), CPU.
+    Returns:
+        float32 ``[M, out_features]``.
+    Raises:
+        RuntimeError: the kernels are not built, or ``x`` does not match the weight.
+    """
+    ops = cpu_ops.load()
+    if ops is None:
+        raise RuntimeError("gguf_gemm_tiled needs the compiled kernels (make setup builds them)")
+    return ops.gguf_gemm_tiled(x if x.stride(-1) == 1 else x.contiguous(), weight.wq, weight.wd,
+                               weight.wm, weight.ggml_type, weight.out_features)

@@ -24,7 +24,7 @@ from torch import nn
 
 from atom.kernels import cpu_ops, fused
 from atom.kernels.attention import AttentionMetadata, paged_attention
-from atom.kernels.gguf import QuantizedWeight, embedding, gguf_linear
+from atom.kernels.gguf import QuantizedWeight, embedding, gguf_linear, tiled_kernel_is_simd
 from atom.kernels.linear import pack_weight, packed_linear
 from atom.models.moe import MoE
 
@@ -32,8 +32,10 @@ if TYPE_CHECKING:
     from atom.model_loader import ModelArchConfig
 
 #: The most rows (tokens of a step; sampled rows for the LM head) a linear layer with GGUF
-#: blocks computes with the quantized kernel; above it the float GEMM is faster on this
-#: machine's measurements (``scripts/bench_gguf_linear.py``, docs/PERFORMANCE.md).
+#: blocks computes with the row kernel; above it the float GEMM is faster on this machine's
+#: measurements (``scripts/bench_gguf_linear.py``, docs/PERFORMANCE.md). Where the tiled kernel
+#: has its AVX-512 VNNI path, it beats the float GEMM at every row count measured (1-2,048)
+#: and takes every forward; this limit then only bounds the one-call decode layer.
 QUANTIZED_MAX_ROWS = 16
 
 
@@ -61,7 +63,8 @@ class Linear(nn.Module):
 
     With ``qweight`` (the GGUF file's own blocks, ``--quantization gguf``), a forward of at most
     :data:`QUANTIZED_MAX_ROWS` rows runs the quantized kernel
-    (:func:`atom.kernels.gguf.gguf_linear`) and a larger one the float GEMM above.
+    (:func:`atom.kernels.gguf.gguf_linear`) and a larger one the float GEMM above; when
+    ``qweight`` has its tiled copy (AVX-512 VNNI CPUs), every forward runs the quantized kernel.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -80,7 +83,8 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+        if self.qweight is not None and (self.qweight.tiled is not None
+                                         or x.shape[0] <= QUANTIZED_MAX_ROWS):
             return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
             return F.linear(x, self.weight)
@@ -185,7 +189,9 @@ class LlamaDecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         linears = [lin.qweight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
         weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                   self.input_layernorm.eps, [t for w in linears for t in (w.qs, w.d, w.m)],
+                   self.input_layernorm.eps,
+                   [t for w in linears for t in ((w.qs, w.d, w.m) if w.tiled is None
+                                                 else (w.tiled.wq, w.tiled.wd, w.tiled.wm))],
                    [w.ggml_type for w in linears])
         self._block_args = (weights, (a.num_heads, a.num_kv_heads, a.scale))
 
@@ -272,8 +278,10 @@ class LlamaForCausalLM(nn.Module):
         (``--quantization gguf``; :func:`atom.model_loader.load_gguf_blocks`): small-batch
         forwards then read those (:class:`Linear`), and the embedding lookup dequantizes its
         rows. q/k/v and gate/up are fused like the float weights; a fused layer whose parts are
-        not all in blocks of one type keeps the float path. The float weights stay: steps of
-        more than :data:`QUANTIZED_MAX_ROWS` rows use them (the packed GEMM).
+        not all in blocks of one type keeps the float path. Where the tiled kernel has its
+        AVX-512 VNNI path (:func:`atom.kernels.gguf.tiled_kernel_is_simd`), each linear's blocks
+        also get their tiled copy and every forward reads them; elsewhere steps of more than
+        :data:`QUANTIZED_MAX_ROWS` rows use the float weights (the packed GEMM), which stay.
 
         Args:
             blocks: Hugging Face names -> blocks (rows in torch order).
@@ -296,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
             parts[m + "gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
             parts[m + "down_proj"] = [m + "down_proj.weight"]
         modules = dict(self.named_modules())
+        tiled = tiled_kernel_is_simd()
         attached = []
         for name, sources in parts.items():
             module = modules.get(name)
@@ -312,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "embed_tokens":
                 self.embed_qweight = weight
             else:
-                module.qweight = weight
+                module.qweight = weight.with_tiles() if tiled else weight
             attached.append(name)
         return attached
 

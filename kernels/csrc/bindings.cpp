@@ -26,6 +26,11 @@ TORCH_LIBRARY(atom_kernels, m) {
   m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
   // x @ W.T with W in GGUF's Q4_1 / Q8_0 blocks (int8-quantized activations; float32 out).
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int ggml_type) -> Tensor");
+  // The same on the weight repacked in tiles of 16 output rows (batches; float32 out).
+  m.def("gguf_gemm_tiled(Tensor x, Tensor wq, Tensor wd, Tensor wm, int ggml_type, int n) -> Tensor");
+  // Whether gguf_gemm_tiled has its AVX-512 VNNI path here (else a scalar loop). No tensor
+  // argument to dispatch on: registered for every backend with its definition.
+  m.def("gguf_gemm_tiled_is_simd() -> bool", &atom_kernels::gguf_gemm_tiled_is_simd);
   // A whole Llama decoder layer of a decode step on GGUF blocks, in place on x and the cache.
   m.def("llama_decode_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor[] weights, int[] types, Tensor(b!) kv_cache, Tensor slot_mapping, "
@@ -43,5 +48,6 @@ TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("logsumexp_argmax", &logsumexp_argmax);
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_gemm_tiled", &gguf_gemm_tiled);
   m.impl("llama_decode_layer_", &llama_decode_layer_);
 }

@@ -25,7 +25,12 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
                          int64_t num_heads, int64_t num_kv_heads, double scale) {
   TORCH_CHECK(weights.size() == 12 && types.size() == 4,
               "llama_decode_layer_: weights are (qs, d, m) of qkv, o, gate_up, down; types four");
-  const auto linear = [&](const at::Tensor& in, int i) {
+  // Each linear's (qs, d, m) planes, or its tiles (wq, wd, wm: float32 scales) with out_features
+  // n: the layer's shapes give n (qkv: q + 2 kv heads, o and down: hidden, gate_up: twice down's
+  // in_features).
+  const auto linear = [&](const at::Tensor& in, int i, int64_t n) {
+    if (weights[3 * i + 1].scalar_type() == at::kFloat)
+      return gguf_gemm_tiled(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i], n);
     return gguf_linear(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i]);
   };
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
@@ -42,7 +47,12 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t cache_slots = kv_cache.size(1) * kv_cache.size(2);
 
-  at::Tensor qkv = linear(rms_norm(x, input_norm, eps), 0);
+  const int64_t hidden = x.size(1);
+  const int64_t down_quant_bytes = types[3] == 3 ? 16 : 32;  // per block: Q4_1 16, Q8_0 32
+  const int64_t down_row_bytes =  // down's quants: weights[9], its scales weights[10]
+      weights[9].size(1) / (weights[10].scalar_type() == at::kFloat ? 16 : 1);
+  const int64_t intermediate = down_row_bytes / down_quant_bytes * 32;
+  at::Tensor qkv = linear(rms_norm(x, input_norm, eps), 0, q_size + 2 * kv_size);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layer_: qkv has ",
               qkv.size(1), " columns, expected ", q_size + 2 * kv_size);
   rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads);
@@ -61,9 +71,9 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   at::Tensor attn = paged_decode_attention_split(q, kv_cache.select(0, 0), kv_cache.select(0, 1),
                                                  block_tables, context_lens, scale);
-  at::Tensor o = linear(attn.view({tokens, q_size}), 1);
+  at::Tensor o = linear(attn.view({tokens, q_size}), 1, hidden);
   at::Tensor h = fused_add_rms_norm(o, x, post_norm, eps);  // x += attention output
-  at::Tensor down = linear(silu_and_mul(linear(h, 2)), 3);
+  at::Tensor down = linear(silu_and_mul(linear(h, 2, 2 * intermediate)), 3, hidden);
   float* xp = x.data_ptr<float>();
   const float* dp = down.data_ptr<float>();
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] = xp[i] + dp[i];  // x += MLP output

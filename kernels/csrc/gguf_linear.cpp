@@ -304,6 +304,141 @@ void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uin
   });
 }
 
+// ----- the tiled GEMM: 16 weight rows a zmm, for batches above the row kernel's range -----
+//
+// Weight layout (atom.kernels.gguf.TiledWeight, repacked once at load): the output rows in tiles
+// of 16 (the last tile padded with zero rows), per tile and block the quants of the 16 rows
+// interleaved by 4 bytes: wq uint8 [T, nb * Q * 64], Q = 4 (Q4_1) or 8 (Q8_0) vectors a block,
+// vector p = [row 0 bytes 4p..4p+3, row 1 bytes 4p..4p+3, ..., row 15]; Q8_0's int8 quants
+// stored as u8 (q + 128). wd float32 [T, nb, 16]: the 16 rows' block scales; wm float32
+// [T, nb, 16]: Q4_1's block minimums (empty for Q8_0).
+// Per block and activation row, eight VPDPBUSD take the activation's 4-byte groups as broadcast
+// dwords against the vectors and leave the 16 rows' integer block sums in one register; one
+// conversion and one FMA scale them (d * da: a vector of 16 row scales times one activation
+// scale). The row kernel instead spends a permute, a conversion and an FMA on every two blocks of
+// every (weight row, activation row) pair; here they are shared by 16 weight rows, which is what
+// makes batched steps (17-64 rows) faster than the float GEMM. The idea of interleaving rows'
+// blocks is llama.cpp's repacked CPU layouts (ggml-cpu/repack.cpp, block_q4_0x8).
+// Q4_1: vector p's low nibbles are elements 4p..4p+3, its high nibbles 16+4p..16+4p+3, so the 8
+// operands pair with the activation's dwords 0-7 in order. Q8_0: sum((q + 128) * a) - 128 * sum(a)
+// in int32 is the exact sum(q * a).
+constexpr int64_t kTile = 16;
+
+#if ATOM_AVX512_VNNI
+template <int64_t Type, int MR>
+void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t* a_qs,
+               const float* a_d, const float* a_s, const int32_t* a_sum, int64_t nb, int64_t k,
+               int64_t nbp, float* out, int64_t out_stride, __mmask16 col_mask) {
+  constexpr int64_t vecs = Type == kGgmlTypeQ4_1 ? 4 : 8;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = wq + b * vecs * 64;
+    __m512i w[8];
+    if constexpr (Type == kGgmlTypeQ4_1) {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i raw = _mm512_loadu_si512(wb + p * 64);
+        w[p] = _mm512_and_si512(raw, lo_mask);
+        w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo_mask);
+      }
+    } else {
+      for (int p = 0; p < 8; ++p) w[p] = _mm512_loadu_si512(wb + p * 64);
+    }
+    __m512i sum[MR];
+    for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p)
+      for (int m = 0; m < MR; ++m) {
+        int32_t group;
+        std::memcpy(&group, a_qs + m * k + b * kBlock + p * 4, 4);
+        sum[m] = _mm512_dpbusd_epi32(sum[m], w[p], _mm512_set1_epi32(group));
+      }
+    const __m512 dv = _mm512_loadu_ps(wd + b * kTile);
+    if constexpr (Type == kGgmlTypeQ4_1) {
+      const __m512 mv = _mm512_loadu_ps(wm + b * kTile);
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]),
+                                 _mm512_mul_ps(dv, _mm512_set1_ps(a_d[m * nbp + b])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a_s[m * nbp + b]), acc[m]);
+      }
+    } else {
+      for (int m = 0; m < MR; ++m) {
+        const __m512i exact = _mm512_sub_epi32(sum[m], _mm512_set1_epi32(128 * a_sum[m * nbp + b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                                 _mm512_mul_ps(dv, _mm512_set1_ps(a_d[m * nbp + b])), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * out_stride, col_mask, acc[m]);
+}
+#else
+// Scalar: the same sums, lane by lane (CPUs without AVX-512 VNNI; atom.kernels.gguf does not
+// repack there, so this serves the tests).
+template <int64_t Type, int MR>
+void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t* a_qs,
+               const float* a_d, const float* a_s, const int32_t* a_sum, int64_t nb, int64_t k,
+               int64_t nbp, float* out, int64_t out_stride, uint32_t col_mask) {
+  constexpr int64_t vecs = Type == kGgmlTypeQ4_1 ? 4 : 8;
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < kTile; ++r) {
+      if (!((col_mask >> r) & 1u)) continue;
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = wq + b * vecs * 64;
+        const int8_t* qa = a_qs + m * k + b * kBlock;
+        int32_t s = 0;
+        for (int64_t p = 0; p < 8; ++p)
+          for (int64_t c = 0; c < 4; ++c) {
+            const int32_t w = Type == kGgmlTypeQ4_1
+                                  ? (p < 4 ? wb[p * 64 + r * 4 + c] & 15 : wb[(p - 4) * 64 + r * 4 + c] >> 4)
+                                  : wb[p * 64 + r * 4 + c];
+            s += w * qa[p * 4 + c];
+          }
+        if constexpr (Type == kGgmlTypeQ8_0) s -= 128 * a_sum[m * nbp + b];
+        total += wd[b * kTile + r] * a_d[m * nbp + b] * static_cast<float>(s);
+        if constexpr (Type == kGgmlTypeQ4_1) total += wm[b * kTile + r] * a_s[m * nbp + b];
+      }
+      out[m * out_stride + r] = total;
+    }
+}
+#endif
+
+// Up to this many activation rows share one pass over a tile's weights (registers: MR sums, MR
+// accumulators and the 8 weight operands of a block).
+constexpr int kMaxTileRows = 8;
+
+template <int64_t Type>
+void gguf_gemm_tiled_impl(const QuantizedRows& a, const std::vector<int32_t>& a_sum, int64_t rows,
+                          int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+                          int64_t n, float* out) {
+  constexpr int64_t vecs = Type == kGgmlTypeQ4_1 ? 4 : 8;
+  const int64_t nb = k / kBlock, nbp = padded_blocks(nb), tiles = (n + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tq = wq + t * nb * vecs * 64;
+      const float* td = wd + t * nb * kTile;
+      const float* tm = wm == nullptr ? nullptr : wm + t * nb * kTile;
+      const int64_t cols = std::min<int64_t>(kTile, n - t * kTile);
+      const auto mask = static_cast<uint16_t>((1u << cols) - 1u);
+      for (int64_t m = 0; m < rows; m += kMaxTileRows) {
+        const int8_t* aq = a.qs.data() + m * k;
+        const float* ad = a.d.data() + m * nbp;
+        const float* as = a.s.data() + m * nbp;
+        const int32_t* asum = a_sum.data() + m * nbp;
+        float* o = out + m * n + t * kTile;
+        switch (std::min<int64_t>(kMaxTileRows, rows - m)) {
+#define ATOM_TILE_CASE(R) \
+  case R: gemm_tile<Type, R>(tq, td, tm, aq, ad, as, asum, nb, k, nbp, o, n, mask); break;
+          ATOM_TILE_CASE(8) ATOM_TILE_CASE(7) ATOM_TILE_CASE(6) ATOM_TILE_CASE(5)
+          ATOM_TILE_CASE(4) ATOM_TILE_CASE(3) ATOM_TILE_CASE(2) ATOM_TILE_CASE(1)
+#undef ATOM_TILE_CASE
+          default: break;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor gguf_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
@@ -338,5 +473,48 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
     gguf_linear_impl<kGgmlTypeQ8_0>(a, rows, k, qp, dp, nullptr, n, op);
   return out;
 }
+
+at::Tensor gguf_gemm_tiled(at::Tensor x, at::Tensor wq, at::Tensor wd, at::Tensor wm,
+                           int64_t ggml_type, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "gguf_gemm_tiled: x must be a float32 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(ggml_type == kGgmlTypeQ4_1 || ggml_type == kGgmlTypeQ8_0,
+              "gguf_gemm_tiled: ggml type ", ggml_type, " is not supported (Q4_1 = 3, Q8_0 = 8)");
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
+  const int64_t vecs = ggml_type == kGgmlTypeQ4_1 ? 4 : 8, tiles = (n + kTile - 1) / kTile;
+  const bool has_min = ggml_type == kGgmlTypeQ4_1;
+  TORCH_CHECK(k % kBlock == 0 && wq.is_contiguous() && wq.scalar_type() == at::kByte &&
+                  wq.dim() == 2 && wq.size(0) == tiles && wq.size(1) == nb * vecs * 64,
+              "gguf_gemm_tiled: expected K a multiple of 32 and uint8 tiles [", tiles, ", ",
+              nb * vecs * 64, "], got K = ", k, " and ", wq.sizes());
+  for (const at::Tensor* t : {&wd, has_min ? &wm : &wd})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == tiles && t->size(1) == nb && t->size(2) == kTile,
+                "gguf_gemm_tiled: scales / minimums must be contiguous float32 [", tiles, ", ",
+                nb, ", 16]");
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+  const QuantizedRows a = quantize_rows(x);
+  const int64_t nbp = padded_blocks(nb);
+  std::vector<int32_t> a_sum(static_cast<size_t>(rows * nbp), 0);  // Q8_0's correction
+  if (!has_min)
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < kBlock; ++j) s += a.qs[m * k + b * kBlock + j];
+        a_sum[m * nbp + b] = s;
+      }
+  const auto* qp = static_cast<const uint8_t*>(wq.data_ptr());
+  float* op = out.data_ptr<float>();
+  if (has_min)
+    gguf_gemm_tiled_impl<kGgmlTypeQ4_1>(a, a_sum, rows, k, qp, wd.data_ptr<float>(),
+                                        wm.data_ptr<float>(), n, op);
+  else
+    gguf_gemm_tiled_impl<kGgmlTypeQ8_0>(a, a_sum, rows, k, qp, wd.data_ptr<float>(), nullptr, n,
+                                        op);
+  return out;
+}
+
+bool gguf_gemm_tiled_is_simd() { return ATOM_AVX512_VNNI; }
 
 }  // namespace atom_kernels
