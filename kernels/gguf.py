@@ -118,8 +118,7 @@ class QuantizedWeight:
 
     def with_tiles(self) -> QuantizedWeight:
         """This weight (the same planes) plus its :class:`TiledWeight` copy, so that
-        :func:`gguf_linear` runs the tiled kernel: a second copy of the quants (about the
-        planes' size; the scales as float32)."""
+        :func:`gguf_linear` runs the tiled kernel: a second copy, the planes' size."""
         return QuantizedWeight(self.ggml_type, self.qs, self.d, self.m,
                                TiledWeight.from_quantized(self))
 
@@ -146,8 +145,8 @@ class TiledWeight:
         wq: ``uint8 [T, nb * Q * 64]``, T = ceil(N / 16), Q = 4 (Q4_1) or 8 (Q8_0): per block,
             vector ``p`` holds bytes ``4p..4p+3`` of each of the 16 rows' quants in turn; Q8_0's
             int8 quants stored as ``q + 128``.
-        wd: float32 ``[T, nb, 16]``: the block scales; wm: float32 ``[T, nb, 16]``, Q4_1's
-            block minimums (empty for Q8_0).
+        wd: float16 ``[T, nb, 16]``: the block scales; wm: float16 ``[T, nb, 16]``, Q4_1's
+            block minimums (empty for Q8_0). The same bytes as the planes, reordered.
     """
 
     ggml_type: int
@@ -171,10 +170,10 @@ class TiledWeight:
               .reshape(tiles, nb * qbytes * TILE).contiguous())
 
         def plane(values: torch.Tensor) -> torch.Tensor:
-            values = torch.nn.functional.pad(values[:, :nb].float(), (0, 0, 0, pad))
+            values = torch.nn.functional.pad(values[:, :nb], (0, 0, 0, pad))
             return values.reshape(tiles, TILE, nb).transpose(1, 2).contiguous()
 
-        wm = plane(weight.m) if weight.ggml_type == Q4_1 else torch.empty(0)
+        wm = plane(weight.m) if weight.ggml_type == Q4_1 else torch.empty(0, dtype=torch.float16)
         return TiledWeight(weight.ggml_type, n, wq, plane(weight.d), wm)
 
     @property

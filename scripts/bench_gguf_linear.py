@@ -7,7 +7,11 @@ sampled rows for the LM head), times one pass over that layer in all 30 decoder 
 after the other as a forward runs them (so the weights come from memory, not from a cache that
 one hot matrix would fit in), reported per layer:
 
-- ``quantized``: :func:`atom.kernels.gguf.gguf_linear` on the file's own blocks;
+- ``quantized``: :func:`atom.kernels.gguf.gguf_linear` on the file's own blocks (the row
+  kernel on the planes);
+- ``tiled``, on a CPU where the tiled kernel has its AVX-512 VNNI path (there the quantized mode
+  runs it for every forward): :func:`atom.kernels.gguf.gguf_gemm_tiled` on the same blocks
+  repacked (:class:`atom.kernels.gguf.TiledWeight`);
 - ``float``: oneDNN's packed float32 GEMM (:func:`atom.kernels.linear.packed_linear`), what the
   float32 mode runs.
 
@@ -22,7 +26,7 @@ each), timed on the same inputs, printed as baseline ms / ms per layer and per s
 - on a CPU with AVX-512 VNNI (where the kernels take their 512-bit path), without AVX-512
   (``-mno-avx512f``: the AVX2 path; JSON ``quantized_avx2_ms``).
 
-    .venv/bin/python scripts/bench_gguf_linear.py [--num-threads 2] [--rows 1 2 4 8 16 32]
+    .venv/bin/python scripts/bench_gguf_linear.py [--num-threads 2] [--rows 1 2 4 8 16 32 64]
 
 Writes ``results/bench_gguf_linear.json``.
 """
@@ -36,7 +40,7 @@ import time
 
 from bench_common import cpu_description, cpu_flags, write_json_report
 
-ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 64)
 LAYERS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "down_proj": ("mlp.down_proj",)}
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from atom.kernels import cpu_ops
-    from atom.kernels.gguf import QuantizedWeight, gguf_linear
+    from atom.kernels.gguf import (QuantizedWeight, TiledWeight, gguf_gemm_tiled, gguf_linear,
+                                   tiled_kernel_is_simd)
     from atom.kernels.linear import pack_weight, packed_linear
     from atom.model_loader import load_gguf_blocks, load_model_weights
 
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, lacks, flags in baselines:
         print(f"building gguf_linear.cpp without {lacks} ...", flush=True)
         baseline_ops[name] = _baseline_gguf_linear(name, flags)
+    tiled = tiled_kernel_is_simd()
     arch, weights = load_model_weights(None, torch.float32)
     blocks = load_gguf_blocks(None)
     shapes = {}
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for name, layers in shapes.items():
             quantized = [qw for qw, _ in layers]
+            tiles = [TiledWeight.from_quantized(qw) for qw in quantized] if tiled else []
             packed = [pack_weight(fw) for _, fw in layers]
             results[name] = {}
             for rows in args.rows:
@@ -135,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                 f_ms = _best_ms(lambda t: [packed_linear(t, pw) for pw in packed], x)
                 results[name][rows] = {"quantized_ms": q_ms / len(layers),
                                        "float_ms": f_ms / len(layers)}
+                if tiled:
+                    t_ms = _best_ms(lambda t: [gguf_gemm_tiled(t, tw) for tw in tiles], x)
+                    results[name][rows]["tiled_ms"] = t_ms / len(layers)
                 for base, op in baseline_ops.items():
                     b_ms = _best_ms(lambda t: [op(t, qw.qs, qw.d, qw.m, qw.ggml_type)
                                                for qw in quantized], x)
@@ -156,6 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
         f"{per_step[r]['quantized_ms']:.1f}/{per_step[r]['float_ms']:.0f}".rjust(10)
         for r in args.rows) + "   (quantized / float)")
+    if tiled:
+        print("the tiled kernel (float ms / tiled ms):")
+        for name, (qw, _) in shapes.items():
+            ratios = [results[name][r]["float_ms"] / results[name][r]["tiled_ms"] for r in args.rows]
+            print(f"{name:<14}{f'[{qw.out_features}, {qw.in_features}]':>14}"
+                  + "".join(f"{v:>8.2f}x" for v in ratios))
+        for rows in args.rows:
+            per_step[rows]["tiled_ms"] = step_ms(rows, "tiled_ms")
+        print(f"{'step linears':<14}{'(ms)':>14}" + "".join(
+            f"{per_step[r]['tiled_ms']:.1f}/{per_step[r]['float_ms']:.0f}".rjust(10)
+            for r in args.rows) + "   (tiled / float)")
     for base, lacks, _ in baselines:
         key = f"quantized_{base}_ms"
         print(f"the quantized kernel against its build without {lacks} ({base} ms / ms):")
@@ -171,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     wins = [r for r in args.rows if all(results[n][r]["quantized_ms"] < results[n][r]["float_ms"]
                                         for n in results)]
     largest = max((r for r in args.rows if all(w in wins for w in args.rows if w <= r)), default=0)
-    print(f"quantized kernel faster for every layer up to {largest} rows")
+    print(f"row kernel faster than the float GEMM for every layer up to {largest} rows")
     write_json_report(args.output_json, {
         "cpu": cpu_description(), "num_threads": args.num_threads, "results": results,
         "per_step": per_step, "quantized_wins_up_to_rows": largest})

@@ -9,12 +9,13 @@ W1's first prompts (issues 7 and 20).
 
    - ``--mode bfloat16``: a bfloat16 engine with each prompt + its float32 output as the prompt,
      ``prompt_logprobs=1``;
-   - ``--mode gguf``: a prompt's logprobs would come from a prefill, which runs the float GEMMs,
-     not the quantized kernels a decode runs (steps of more than 16 rows stay float); so the
-     quantized model runner is driven directly: each prompt prefilled (as the engine does: float
-     layers, the LM head on GGUF blocks for the one sampled row), then one decode step per
-     float32 output token with all prompts in the batch (at most 16 rows: every linear on GGUF
-     blocks, every layer in one compiled call).
+   - ``--mode gguf``: a prompt's logprobs would come from a prefill, which on a CPU without
+     AVX-512 VNNI runs the float GEMMs, not the quantized kernels a decode runs (steps of more
+     than 16 rows stay float there); so the quantized model runner is driven directly: each
+     prompt prefilled as the engine does (float layers there, the tiled quantized kernel where
+     the CPU has AVX-512 VNNI; the LM head on GGUF blocks for the one sampled row), then one
+     decode step per float32 output token with all prompts in the batch (at most 16 rows: every
+     linear on GGUF blocks, every layer in one compiled call).
 
 Reports the mean absolute difference of those logprobs over every output position, its p99
 and max, and how often the mode's top-1 token differs from fp32's greedy token.

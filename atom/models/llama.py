@@ -74,7 +74,11 @@ class Linear(nn.Module):
         self.qweight: QuantizedWeight | None = None
 
     def pack_weight(self) -> None:
-        """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed."""
+        """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed.
+        With tiled GGUF blocks (every forward reads them) the float weight is dropped instead."""
+        if self.qweight is not None and self.qweight.tiled is not None:
+            self.weight = None
+            return
         if self.weight is None:
             return
         packed = pack_weight(self.weight)
@@ -280,8 +284,9 @@ class LlamaForCausalLM(nn.Module):
         rows. q/k/v and gate/up are fused like the float weights; a fused layer whose parts are
         not all in blocks of one type keeps the float path. Where the tiled kernel has its
         AVX-512 VNNI path (:func:`atom.kernels.gguf.tiled_kernel_is_simd`), each linear's blocks
-        also get their tiled copy and every forward reads them; elsewhere steps of more than
-        :data:`QUANTIZED_MAX_ROWS` rows use the float weights (the packed GEMM), which stay.
+        also get their tiled copy and every forward reads them (:meth:`pack_weights` then drops
+        those linears' float weights); elsewhere steps of more than :data:`QUANTIZED_MAX_ROWS`
+        rows use the float weights (the packed GEMM), which stay.
 
         Args:
             blocks: Hugging Face names -> blocks (rows in torch order).

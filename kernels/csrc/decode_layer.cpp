@@ -25,11 +25,11 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
                          int64_t num_heads, int64_t num_kv_heads, double scale) {
   TORCH_CHECK(weights.size() == 12 && types.size() == 4,
               "llama_decode_layer_: weights are (qs, d, m) of qkv, o, gate_up, down; types four");
-  // Each linear's (qs, d, m) planes, or its tiles (wq, wd, wm: float32 scales) with out_features
+  // Each linear's (qs, d, m) planes, or its tiles (wq, wd, wm: 3-D scales) with out_features
   // n: the layer's shapes give n (qkv: q + 2 kv heads, o and down: hidden, gate_up: twice down's
   // in_features).
   const auto linear = [&](const at::Tensor& in, int i, int64_t n) {
-    if (weights[3 * i + 1].scalar_type() == at::kFloat)
+    if (weights[3 * i + 1].dim() == 3)
       return gguf_gemm_tiled(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i], n);
     return gguf_linear(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i]);
   };
@@ -50,7 +50,7 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   const int64_t hidden = x.size(1);
   const int64_t down_quant_bytes = types[3] == 3 ? 16 : 32;  // per block: Q4_1 16, Q8_0 32
   const int64_t down_row_bytes =  // down's quants: weights[9], its scales weights[10]
-      weights[9].size(1) / (weights[10].scalar_type() == at::kFloat ? 16 : 1);
+      weights[9].size(1) / (weights[10].dim() == 3 ? 16 : 1);
   const int64_t intermediate = down_row_bytes / down_quant_bytes * 32;
   at::Tensor qkv = linear(rms_norm(x, input_norm, eps), 0, q_size + 2 * kv_size);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layer_: qkv has ",

@@ -310,8 +310,9 @@ void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uin
 // of 16 (the last tile padded with zero rows), per tile and block the quants of the 16 rows
 // interleaved by 4 bytes: wq uint8 [T, nb * Q * 64], Q = 4 (Q4_1) or 8 (Q8_0) vectors a block,
 // vector p = [row 0 bytes 4p..4p+3, row 1 bytes 4p..4p+3, ..., row 15]; Q8_0's int8 quants
-// stored as u8 (q + 128). wd float32 [T, nb, 16]: the 16 rows' block scales; wm float32
-// [T, nb, 16]: Q4_1's block minimums (empty for Q8_0).
+// stored as u8 (q + 128). wd fp16 [T, nb, 16]: the 16 rows' block scales; wm fp16 [T, nb, 16]:
+// Q4_1's block minimums (empty for Q8_0). The same bytes as the planes: a decode step streams
+// the whole model from memory, so every byte counts (float32 scales made Q4_1 20 % larger).
 // Per block and activation row, eight VPDPBUSD take the activation's 4-byte groups as broadcast
 // dwords against the vectors and leave the 16 rows' integer block sums in one register; one
 // conversion and one FMA scale them (d * da: a vector of 16 row scales times one activation
@@ -326,15 +327,19 @@ constexpr int64_t kTile = 16;
 
 #if ATOM_AVX512_VNNI
 template <int64_t Type, int MR>
-void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t* a_qs,
+void gemm_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, const int8_t* a_qs,
                const float* a_d, const float* a_s, const int32_t* a_sum, int64_t nb, int64_t k,
-               int64_t nbp, float* out, int64_t out_stride, __mmask16 col_mask) {
+               int64_t nbp, float* out, int64_t out_stride, __mmask16 col_mask,
+               const uint8_t* next_wq) {
   constexpr int64_t vecs = Type == kGgmlTypeQ4_1 ? 4 : 8;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i lo_mask = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = wq + b * vecs * 64;
+    if (next_wq != nullptr)  // the next tile's block b: the memory stream stays ahead
+      for (int64_t o = 0; o < vecs * 64; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next_wq + b * vecs * 64 + o), _MM_HINT_T0);
     __m512i w[8];
     if constexpr (Type == kGgmlTypeQ4_1) {
       for (int p = 0; p < 4; ++p) {
@@ -353,9 +358,9 @@ void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t
         std::memcpy(&group, a_qs + m * k + b * kBlock + p * 4, 4);
         sum[m] = _mm512_dpbusd_epi32(sum[m], w[p], _mm512_set1_epi32(group));
       }
-    const __m512 dv = _mm512_loadu_ps(wd + b * kTile);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile)));
     if constexpr (Type == kGgmlTypeQ4_1) {
-      const __m512 mv = _mm512_loadu_ps(wm + b * kTile);
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kTile)));
       for (int m = 0; m < MR; ++m) {
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]),
                                  _mm512_mul_ps(dv, _mm512_set1_ps(a_d[m * nbp + b])), acc[m]);
@@ -375,9 +380,10 @@ void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t
 // Scalar: the same sums, lane by lane (CPUs without AVX-512 VNNI; atom.kernels.gguf does not
 // repack there, so this serves the tests).
 template <int64_t Type, int MR>
-void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t* a_qs,
+void gemm_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, const int8_t* a_qs,
                const float* a_d, const float* a_s, const int32_t* a_sum, int64_t nb, int64_t k,
-               int64_t nbp, float* out, int64_t out_stride, uint32_t col_mask) {
+               int64_t nbp, float* out, int64_t out_stride, uint32_t col_mask,
+               const uint8_t* /*next_wq*/) {
   constexpr int64_t vecs = Type == kGgmlTypeQ4_1 ? 4 : 8;
   for (int m = 0; m < MR; ++m)
     for (int64_t r = 0; r < kTile; ++r) {
@@ -395,8 +401,9 @@ void gemm_tile(const uint8_t* wq, const float* wd, const float* wm, const int8_t
             s += w * qa[p * 4 + c];
           }
         if constexpr (Type == kGgmlTypeQ8_0) s -= 128 * a_sum[m * nbp + b];
-        total += wd[b * kTile + r] * a_d[m * nbp + b] * static_cast<float>(s);
-        if constexpr (Type == kGgmlTypeQ4_1) total += wm[b * kTile + r] * a_s[m * nbp + b];
+        total += half_to_float(wd[b * kTile + r]) * a_d[m * nbp + b] * static_cast<float>(s);
+        if constexpr (Type == kGgmlTypeQ4_1)
+          total += half_to_float(wm[b * kTile + r]) * a_s[m * nbp + b];
       }
       out[m * out_stride + r] = total;
     }
@@ -409,15 +416,16 @@ constexpr int kMaxTileRows = 8;
 
 template <int64_t Type>
 void gguf_gemm_tiled_impl(const QuantizedRows& a, const std::vector<int32_t>& a_sum, int64_t rows,
-                          int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+                          int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
                           int64_t n, float* out) {
   constexpr int64_t vecs = Type == kGgmlTypeQ4_1 ? 4 : 8;
   const int64_t nb = k / kBlock, nbp = padded_blocks(nb), tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tq = wq + t * nb * vecs * 64;
-      const float* td = wd + t * nb * kTile;
-      const float* tm = wm == nullptr ? nullptr : wm + t * nb * kTile;
+      const uint16_t* td = wd + t * nb * kTile;
+      const uint16_t* tm = wm == nullptr ? nullptr : wm + t * nb * kTile;
+      const uint8_t* next_q = t + 1 < end ? tq + nb * vecs * 64 : nullptr;
       const int64_t cols = std::min<int64_t>(kTile, n - t * kTile);
       const auto mask = static_cast<uint16_t>((1u << cols) - 1u);
       for (int64_t m = 0; m < rows; m += kMaxTileRows) {
@@ -428,7 +436,10 @@ void gguf_gemm_tiled_impl(const QuantizedRows& a, const std::vector<int32_t>& a_
         float* o = out + m * n + t * kTile;
         switch (std::min<int64_t>(kMaxTileRows, rows - m)) {
 #define ATOM_TILE_CASE(R) \
-  case R: gemm_tile<Type, R>(tq, td, tm, aq, ad, as, asum, nb, k, nbp, o, n, mask); break;
+  case R:                                                                         \
+    gemm_tile<Type, R>(tq, td, tm, aq, ad, as, asum, nb, k, nbp, o, n, mask,      \
+                       m == 0 ? next_q : nullptr);                                \
+    break;
           ATOM_TILE_CASE(8) ATOM_TILE_CASE(7) ATOM_TILE_CASE(6) ATOM_TILE_CASE(5)
           ATOM_TILE_CASE(4) ATOM_TILE_CASE(3) ATOM_TILE_CASE(2) ATOM_TILE_CASE(1)
 #undef ATOM_TILE_CASE
@@ -488,9 +499,9 @@ at::Tensor gguf_gemm_tiled(at::Tensor x, at::Tensor wq, at::Tensor wd, at::Tenso
               "gguf_gemm_tiled: expected K a multiple of 32 and uint8 tiles [", tiles, ", ",
               nb * vecs * 64, "], got K = ", k, " and ", wq.sizes());
   for (const at::Tensor* t : {&wd, has_min ? &wm : &wd})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == tiles && t->size(1) == nb && t->size(2) == kTile,
-                "gguf_gemm_tiled: scales / minimums must be contiguous float32 [", tiles, ", ",
+                "gguf_gemm_tiled: scales / minimums must be contiguous float16 [", tiles, ", ",
                 nb, ", 16]");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
@@ -507,11 +518,12 @@ at::Tensor gguf_gemm_tiled(at::Tensor x, at::Tensor wq, at::Tensor wd, at::Tenso
   const auto* qp = static_cast<const uint8_t*>(wq.data_ptr());
   float* op = out.data_ptr<float>();
   if (has_min)
-    gguf_gemm_tiled_impl<kGgmlTypeQ4_1>(a, a_sum, rows, k, qp, wd.data_ptr<float>(),
-                                        wm.data_ptr<float>(), n, op);
+    gguf_gemm_tiled_impl<kGgmlTypeQ4_1>(a, a_sum, rows, k, qp,
+                                        static_cast<const uint16_t*>(wd.data_ptr()),
+                                        static_cast<const uint16_t*>(wm.data_ptr()), n, op);
   else
-    gguf_gemm_tiled_impl<kGgmlTypeQ8_0>(a, a_sum, rows, k, qp, wd.data_ptr<float>(), nullptr, n,
-                                        op);
+    gguf_gemm_tiled_impl<kGgmlTypeQ8_0>(a, a_sum, rows, k, qp,
+                                        static_cast<const uint16_t*>(wd.data_ptr()), nullptr, n, op);
   return out;
 }
 

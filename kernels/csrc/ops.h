@@ -52,7 +52,7 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
 
 // The same product for batches (rows above the row kernel's range) on the weight repacked in
 // tiles of 16 output rows (gguf_linear.cpp: wq uint8 [T, K / 32 * 256 or 512], wd and, for
-// Q4_1, wm float32 [T, K / 32, 16]; T = ceil(n / 16)): float32 [M, n].
+// Q4_1, wm float16 [T, K / 32, 16]; T = ceil(n / 16)): float32 [M, n].
 at::Tensor gguf_gemm_tiled(at::Tensor x, at::Tensor wq, at::Tensor wd, at::Tensor wm,
                            int64_t ggml_type, int64_t n);
 
@@ -62,7 +62,7 @@ bool gguf_gemm_tiled_is_simd();
 // One Llama decoder layer for T decode tokens (one per sequence), in place on the residual
 // stream x [T, hidden] float32: the Python layer's ops in its order, the four linear layers on
 // GGUF planes: weights = (qs, d, m) of qkv, o, gate_up, down (12 tensors, as gguf_linear; or a
-// linear's tiles wq, wd, wm as gguf_gemm_tiled, told apart by float32 scales), types
+// linear's tiles wq, wd, wm as gguf_gemm_tiled, told apart by their 3-D scales), types
 // their ggml types. kv_cache [2, num_blocks, block_size, H_kv, D] float32 gets the new tokens'
 // K/V at slot_mapping int64 [>= T]; block_tables and context_lens as paged_decode_attention
 // (context lens include the new token); cos, sin [T, D].

@@ -89,8 +89,8 @@ def test_tiled_kernel_rejects_a_mismatched_weight(ops):
     tiled = G.TiledWeight.from_quantized(random_blocks(G.Q4_1, 40, 64))
     with pytest.raises(RuntimeError, match="expected K a multiple of 32"):
         G.gguf_gemm_tiled(torch.randn(2, 96), tiled)
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.gguf_gemm_tiled(torch.randn(2, 64), tiled.wq, tiled.wd.half(), tiled.wm, G.Q4_1, 40)
+    with pytest.raises(RuntimeError, match="float16"):
+        ops.gguf_gemm_tiled(torch.randn(2, 64), tiled.wq, tiled.wd.float(), tiled.wm, G.Q4_1, 40)
 
 
 @pytest.mark.parametrize("ggml_type", sorted(TYPES))
@@ -181,6 +181,10 @@ def test_linear_with_tiles_takes_every_row_count(ops):
         out = layer(x)
         assert torch.equal(out, G.gguf_gemm_tiled(x, w.tiled))
         torch.testing.assert_close(out, G.gguf_linear_reference(x, w), rtol=1e-5, atol=1e-4)
+    layer.pack_weight()  # nothing reads the float weight any more: dropped, not packed
+    assert layer.weight is None and layer.packed_weight is None
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), G.gguf_gemm_tiled(x, w.tiled))
 
 
 @pytest.fixture(scope="module")
