@@ -157,7 +157,7 @@ class TiledWeight:
 
     @staticmethod
     def from_quantized(weight: QuantizedWeight) -> TiledWeight:
-        """Repack ``weight`` (the same values: :func:`dequantize` of both agree)."""
+        """Repack ``weight``: the same bytes (Q8_0's quants offset by 128), reordered."""
         n, nb = weight.out_features, weight.in_features // BLOCK
         tiles = -(-n // TILE)
         pad = tiles * TILE - n

@@ -27,7 +27,8 @@ TORCH_LIBRARY(atom_kernels, m) {
   // x @ W.T with W in GGUF's Q4_1 / Q8_0 blocks (int8-quantized activations; float32 out).
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int ggml_type) -> Tensor");
   // The same on the weight repacked in tiles of 16 output rows (batches; float32 out).
-  m.def("gguf_gemm_tiled(Tensor x, Tensor wq, Tensor wd, Tensor wm, int ggml_type, int n) -> Tensor");
+  m.def("gguf_gemm_tiled(Tensor x, Tensor wq, Tensor wd, Tensor wm, int ggml_type, int n) "
+        "-> Tensor");
   // Whether gguf_gemm_tiled has its AVX-512 VNNI path here (else a scalar loop). No tensor
   // argument to dispatch on: registered for every backend with its definition.
   m.def("gguf_gemm_tiled_is_simd() -> bool", &atom_kernels::gguf_gemm_tiled_is_simd);

@@ -30,7 +30,8 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   // in_features).
   const auto linear = [&](const at::Tensor& in, int i, int64_t n) {
     if (weights[3 * i + 1].dim() == 3)
-      return gguf_gemm_tiled(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i], n);
+      return gguf_gemm_tiled(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i],
+                             n);
     return gguf_linear(in, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], types[i]);
   };
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,

@@ -304,7 +304,7 @@ void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uin
   });
 }
 
-// ----- the tiled GEMM: 16 weight rows a zmm, for batches above the row kernel's range -----
+// ----- the tiled GEMM: 16 weight rows a zmm (AVX-512 VNNI CPUs: every row count) -----
 //
 // Weight layout (atom.kernels.gguf.TiledWeight, repacked once at load): the output rows in tiles
 // of 16 (the last tile padded with zero rows), per tile and block the quants of the 16 rows
@@ -317,9 +317,10 @@ void gguf_linear_impl(const QuantizedRows& a, int64_t rows, int64_t k, const uin
 // dwords against the vectors and leave the 16 rows' integer block sums in one register; one
 // conversion and one FMA scale them (d * da: a vector of 16 row scales times one activation
 // scale). The row kernel instead spends a permute, a conversion and an FMA on every two blocks of
-// every (weight row, activation row) pair; here they are shared by 16 weight rows, which is what
-// makes batched steps (17-64 rows) faster than the float GEMM. The idea of interleaving rows'
-// blocks is llama.cpp's repacked CPU layouts (ggml-cpu/repack.cpp, block_q4_0x8).
+// every (weight row, activation row) pair; here they are shared by 16 weight rows, which makes
+// it faster than the float GEMM at every row count measured (1-2,048; docs/PERFORMANCE.md) and
+// than the row kernel at one row. The idea of interleaving rows' blocks is llama.cpp's
+// repacked CPU layouts (ggml-cpu/repack.cpp, block_q4_0x8).
 // Q4_1: vector p's low nibbles are elements 4p..4p+3, its high nibbles 16+4p..16+4p+3, so the 8
 // operands pair with the activation's dwords 0-7 in order. Q8_0: sum((q + 128) * a) - 128 * sum(a)
 // in int32 is the exact sum(q * a).
@@ -358,9 +359,11 @@ void gemm_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, const 
         std::memcpy(&group, a_qs + m * k + b * kBlock + p * 4, 4);
         sum[m] = _mm512_dpbusd_epi32(sum[m], w[p], _mm512_set1_epi32(group));
       }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile)));
+    const __m512 dv =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * kTile)));
     if constexpr (Type == kGgmlTypeQ4_1) {
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kTile)));
+      const __m512 mv =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kTile)));
       for (int m = 0; m < MR; ++m) {
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]),
                                  _mm512_mul_ps(dv, _mm512_set1_ps(a_d[m * nbp + b])), acc[m]);
@@ -368,7 +371,8 @@ void gemm_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, const 
       }
     } else {
       for (int m = 0; m < MR; ++m) {
-        const __m512i exact = _mm512_sub_epi32(sum[m], _mm512_set1_epi32(128 * a_sum[m * nbp + b]));
+        const __m512i exact =
+            _mm512_sub_epi32(sum[m], _mm512_set1_epi32(128 * a_sum[m * nbp + b]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
                                  _mm512_mul_ps(dv, _mm512_set1_ps(a_d[m * nbp + b])), acc[m]);
       }
@@ -395,9 +399,10 @@ void gemm_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, const 
         int32_t s = 0;
         for (int64_t p = 0; p < 8; ++p)
           for (int64_t c = 0; c < 4; ++c) {
-            const int32_t w = Type == kGgmlTypeQ4_1
-                                  ? (p < 4 ? wb[p * 64 + r * 4 + c] & 15 : wb[(p - 4) * 64 + r * 4 + c] >> 4)
-                                  : wb[p * 64 + r * 4 + c];
+            const int32_t w =
+                Type == kGgmlTypeQ4_1
+                    ? (p < 4 ? wb[p * 64 + r * 4 + c] & 15 : wb[(p - 4) * 64 + r * 4 + c] >> 4)
+                    : wb[p * 64 + r * 4 + c];
             s += w * qa[p * 4 + c];
           }
         if constexpr (Type == kGgmlTypeQ8_0) s -= 128 * a_sum[m * nbp + b];
@@ -523,7 +528,8 @@ at::Tensor gguf_gemm_tiled(at::Tensor x, at::Tensor wq, at::Tensor wd, at::Tenso
                                         static_cast<const uint16_t*>(wm.data_ptr()), n, op);
   else
     gguf_gemm_tiled_impl<kGgmlTypeQ8_0>(a, a_sum, rows, k, qp,
-                                        static_cast<const uint16_t*>(wd.data_ptr()), nullptr, n, op);
+                                        static_cast<const uint16_t*>(wd.data_ptr()), nullptr, n,
+                                        op);
   return out;
 }
 
