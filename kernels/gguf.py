@@ -238,10 +238,11 @@ def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     ops = cpu_ops.load()
     if ops is None:
         return gguf_linear_reference(x, weight)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     if weight.tiled is not None:
-        return gguf_gemm_tiled(x, weight.tiled)
-    return ops.gguf_linear(x if x.stride(-1) == 1 else x.contiguous(), weight.qs, weight.d,
-                           weight.m, weight.ggml_type)
+        t = weight.tiled
+        return ops.gguf_gemm_tiled(x, t.wq, t.wd, t.wm, t.ggml_type, t.out_features)
+    return ops.gguf_linear(x, weight.qs, weight.d, weight.m, weight.ggml_type)
 
 
 def gguf_gemm_tiled(x: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
