@@ -114,7 +114,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...] = (),
                  dp_rank: int = 0):
-        from atom.model_loader import load_model_weights
+        from atom.model_loader import load_model_weights, release_freed_heap
         from atom.model_runner import ModelRunner
 
         self.config = config
@@ -142,6 +142,7 @@ class EngineCore:
                                   block_size=config.block_size, max_model_len=max_model_len,
                                   moe_split_experts=config.moe_split_experts,
                                   quantized_weights=blocks)
+        del weights, blocks  # the model holds its own copies (or none: tiled GGUF linears)
         if config.enable_expert_parallel and not self.is_moe:
             raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
                              "Mixtral folder) or split a dense one with --moe-split-experts E")
@@ -157,6 +158,7 @@ class EngineCore:
         draft_runner = None if draft is None else ModelRunner(
             *draft, dtype=dtype, num_kv_blocks=num_blocks, block_size=config.block_size,
             max_model_len=max_model_len)
+        del draft
         self.draft_proposer, ngram = _make_proposers(config, self.runner, draft_runner)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, max_model_len), self.block_manager,
@@ -177,6 +179,7 @@ class EngineCore:
         self._pending: list[SeqOutput] = []  # finishes decided outside a step (rejections)
         self.num_aborted_seqs = 0
         self.num_front_end_finished_seqs = 0
+        release_freed_heap()
         logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
                     "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
                     num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)

@@ -46,15 +46,12 @@ class QuantizedWeight:
         d: float16 ``[N, nb_pad]``: each block's scale; ``nb_pad`` = nb rounded up to 8, zeros
             after ``nb`` (the kernel reads the scales 8 blocks at a time).
         m: float16 ``[N, nb_pad]``: Q4_1's block minimums; for Q8_0 an empty tensor.
-        tiled: the same weight repacked for :func:`gguf_gemm_tiled` (:meth:`with_tiles`), which
-            :func:`gguf_linear` then uses; None (the row kernel on the planes) by default.
     """
 
     ggml_type: int
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
-    tiled: TiledWeight | None = None
 
     @staticmethod
     def from_gguf_blocks(blocks: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -116,12 +113,6 @@ class QuantizedWeight:
         return QuantizedWeight(first.ggml_type, torch.cat([p.qs for p in parts]),
                                torch.cat([p.d for p in parts]), m)
 
-    def with_tiles(self) -> QuantizedWeight:
-        """This weight (the same planes) plus its :class:`TiledWeight` copy, so that
-        :func:`gguf_linear` runs the tiled kernel: a second copy, the planes' size."""
-        return QuantizedWeight(self.ggml_type, self.qs, self.d, self.m,
-                               TiledWeight.from_quantized(self))
-
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (int64 ``[N']``), e.g. a permutation of the output features."""
         m = self.m.index_select(0, index) if self.ggml_type == Q4_1 else self.m
@@ -135,9 +126,11 @@ TILE = 16
 
 @dataclass
 class TiledWeight:
-    """A :class:`QuantizedWeight` repacked for :func:`gguf_gemm_tiled`: the output rows in tiles
-    of :data:`TILE` (the last one padded with zero rows), each tile's blocks with the 16 rows'
-    quants interleaved 4 bytes at a time (``kernels/csrc/gguf_linear.cpp`` says why).
+    """A :class:`QuantizedWeight` repacked for the tiled kernel (:func:`gguf_linear` runs it on
+    this type): the output rows in tiles of :data:`TILE` (the last one padded with zero rows),
+    each tile's blocks with the 16 rows' quants interleaved 4 bytes at a time
+    (``kernels/csrc/gguf_linear.cpp`` says why). It replaces the planes: a linear holds one or
+    the other.
 
     Attributes:
         ggml_type: :data:`Q4_1` or :data:`Q8_0`.
@@ -175,6 +168,10 @@ class TiledWeight:
 
         wm = plane(weight.m) if weight.ggml_type == Q4_1 else torch.empty(0, dtype=torch.float16)
         return TiledWeight(weight.ggml_type, n, wq, plane(weight.d), wm)
+
+    @property
+    def in_features(self) -> int:
+        return self.wd.shape[1] * BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -217,48 +214,38 @@ def gguf_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
 
 
 def tiled_kernel_is_simd() -> bool:
-    """Whether :func:`gguf_gemm_tiled` runs its AVX-512 VNNI path here (the kernels built on a
-    CPU with AVX-512 F/BW/VL and VNNI); elsewhere it is a scalar loop and weights stay untiled."""
+    """Whether the tiled kernel (:func:`gguf_linear` on a :class:`TiledWeight`) runs its AVX-512
+    VNNI path here (the kernels built on a CPU with AVX-512 F/BW/VL and VNNI); elsewhere it is a
+    scalar loop and weights stay untiled."""
     ops = cpu_ops.load()
     return ops is not None and bool(ops.gguf_gemm_tiled_is_simd())
 
 
-def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, weight: QuantizedWeight | TiledWeight) -> torch.Tensor:
     """``x @ W.T`` with ``W`` in GGUF blocks, by the compiled kernel (multi-threaded over output
-    rows, torch's intra-op thread count): the tiled one when ``weight.tiled`` is set, else the
-    row kernel on the planes; the torch reference when the kernels are not built.
+    rows, torch's intra-op thread count): the row kernel on a :class:`QuantizedWeight`'s planes
+    (the torch reference when the kernels are not built), the tiled kernel on a
+    :class:`TiledWeight` (16 output rows per 512-bit register, 8 activation rows a pass: AVX-512
+    VNNI; elsewhere a scalar loop that only the tests call). Both quantize the activations the
+    same way and compute the same integer block sums.
 
     Args:
         x: float32 ``[M, in_features]`` (any M, zero included), CPU.
     Returns:
         float32 ``[M, out_features]``.
     Raises:
-        RuntimeError: ``x`` is not float32 ``[M, in_features]``.
+        RuntimeError: ``x`` is not float32 ``[M, in_features]``, or a :class:`TiledWeight`
+            without the compiled kernels (make setup builds them).
     """
     ops = cpu_ops.load()
+    if isinstance(weight, TiledWeight):
+        if ops is None:
+            raise RuntimeError("a TiledWeight needs the compiled kernels (make setup builds "
+                               "them); keep the planes (QuantizedWeight) without them")
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return ops.gguf_gemm_tiled(x, weight.wq, weight.wd, weight.wm, weight.ggml_type,
+                                   weight.out_features)
     if ops is None:
         return gguf_linear_reference(x, weight)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if weight.tiled is not None:
-        t = weight.tiled
-        return ops.gguf_gemm_tiled(x, t.wq, t.wd, t.wm, t.ggml_type, t.out_features)
     return ops.gguf_linear(x, weight.qs, weight.d, weight.m, weight.ggml_type)
-
-
-def gguf_gemm_tiled(x: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
-    """``x @ W.T`` like :func:`gguf_linear` (the same int8 activations, the same sums), on the
-    tiled copy: 16 output rows per 512-bit register, for batches (AVX-512 VNNI; elsewhere a
-    scalar loop that only the tests call).
-
-    Args:
-        x: float32 ``[M, in_features]`` (any M), CPU.
-    Returns:
-        float32 ``[M, out_features]``.
-    Raises:
-        RuntimeError: the kernels are not built, or ``x`` does not match the weight.
-    """
-    ops = cpu_ops.load()
-    if ops is None:
-        raise RuntimeError("gguf_gemm_tiled needs the compiled kernels (make setup builds them)")
-    return ops.gguf_gemm_tiled(x if x.stride(-1) == 1 else x.contiguous(), weight.wq, weight.wd,
-                               weight.wm, weight.ggml_type, weight.out_features)

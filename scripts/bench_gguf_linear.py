@@ -10,7 +10,7 @@ one hot matrix would fit in), reported per layer:
 - ``quantized``: :func:`atom.kernels.gguf.gguf_linear` on the file's own blocks (the row
   kernel on the planes);
 - ``tiled``, on a CPU where the tiled kernel has its AVX-512 VNNI path (there the quantized mode
-  runs it for every forward): :func:`atom.kernels.gguf.gguf_gemm_tiled` on the same blocks
+  runs it for every forward): :func:`atom.kernels.gguf.gguf_linear` on the same blocks
   repacked (:class:`atom.kernels.gguf.TiledWeight`);
 - ``float``: oneDNN's packed float32 GEMM (:func:`atom.kernels.linear.packed_linear`), what the
   float32 mode runs.
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from atom.kernels import cpu_ops
-    from atom.kernels.gguf import (QuantizedWeight, TiledWeight, gguf_gemm_tiled, gguf_linear,
+    from atom.kernels.gguf import (QuantizedWeight, TiledWeight, gguf_linear,
                                    tiled_kernel_is_simd)
     from atom.kernels.linear import pack_weight, packed_linear
     from atom.model_loader import load_gguf_blocks, load_model_weights
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][rows] = {"quantized_ms": q_ms / len(layers),
                                        "float_ms": f_ms / len(layers)}
                 if tiled:
-                    t_ms = _best_ms(lambda t: [gguf_gemm_tiled(t, tw) for tw in tiles], x)
+                    t_ms = _best_ms(lambda t: [gguf_linear(t, tw) for tw in tiles], x)
                     results[name][rows]["tiled_ms"] = t_ms / len(layers)
                 for base, op in baseline_ops.items():
                     b_ms = _best_ms(lambda t: [op(t, qw.qs, qw.d, qw.m, qw.ggml_type)

@@ -24,7 +24,8 @@ from torch import nn
 
 from atom.kernels import cpu_ops, fused
 from atom.kernels.attention import AttentionMetadata, paged_attention
-from atom.kernels.gguf import QuantizedWeight, embedding, gguf_linear, tiled_kernel_is_simd
+from atom.kernels.gguf import (QuantizedWeight, TiledWeight, embedding, gguf_linear,
+                               tiled_kernel_is_simd)
 from atom.kernels.linear import pack_weight, packed_linear
 from atom.models.moe import MoE
 
@@ -64,19 +65,20 @@ class Linear(nn.Module):
     With ``qweight`` (the GGUF file's own blocks, ``--quantization gguf``), a forward of at most
     :data:`QUANTIZED_MAX_ROWS` rows runs the quantized kernel
     (:func:`atom.kernels.gguf.gguf_linear`) and a larger one the float GEMM above; when
-    ``qweight`` has its tiled copy (AVX-512 VNNI CPUs), every forward runs the quantized kernel.
+    ``qweight`` is tiled (:class:`~atom.kernels.gguf.TiledWeight`, AVX-512 VNNI CPUs), every
+    forward runs the quantized kernel.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.packed_weight: torch.Tensor | None = None
-        self.qweight: QuantizedWeight | None = None
+        self.qweight: QuantizedWeight | TiledWeight | None = None
 
     def pack_weight(self) -> None:
         """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed.
         With tiled GGUF blocks (every forward reads them) the float weight is dropped instead."""
-        if self.qweight is not None and self.qweight.tiled is not None:
+        if isinstance(self.qweight, TiledWeight):
             self.weight = None
             return
         if self.weight is None:
@@ -87,7 +89,7 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None and (self.qweight.tiled is not None
+        if self.qweight is not None and (isinstance(self.qweight, TiledWeight)
                                          or x.shape[0] <= QUANTIZED_MAX_ROWS):
             return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
@@ -194,8 +196,8 @@ class LlamaDecoderLayer(nn.Module):
         linears = [lin.qweight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
         weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
                    self.input_layernorm.eps,
-                   [t for w in linears for t in ((w.qs, w.d, w.m) if w.tiled is None
-                                                 else (w.tiled.wq, w.tiled.wd, w.tiled.wm))],
+                   [t for w in linears for t in ((w.wq, w.wd, w.wm) if isinstance(w, TiledWeight)
+                                                 else (w.qs, w.d, w.m))],
                    [w.ggml_type for w in linears])
         self._block_args = (weights, (a.num_heads, a.num_kv_heads, a.scale))
 
@@ -283,9 +285,10 @@ class LlamaForCausalLM(nn.Module):
         forwards then read those (:class:`Linear`), and the embedding lookup dequantizes its
         rows. q/k/v and gate/up are fused like the float weights; a fused layer whose parts are
         not all in blocks of one type keeps the float path. Where the tiled kernel has its
-        AVX-512 VNNI path (:func:`atom.kernels.gguf.tiled_kernel_is_simd`), each linear's blocks
-        also get their tiled copy and every forward reads them (:meth:`pack_weights` then drops
-        those linears' float weights); elsewhere steps of more than :data:`QUANTIZED_MAX_ROWS`
+        AVX-512 VNNI path (:func:`atom.kernels.gguf.tiled_kernel_is_simd`), each linear gets
+        its blocks repacked in tiles instead of the planes (:class:`~atom.kernels.gguf.TiledWeight`)
+        and every forward reads them (:meth:`pack_weights` then drops those linears' float
+        weights); elsewhere steps of more than :data:`QUANTIZED_MAX_ROWS`
         rows use the float weights (the packed GEMM), which stay.
 
         Args:
@@ -326,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "embed_tokens":
                 self.embed_qweight = weight
             else:
-                module.qweight = weight.with_tiles() if tiled else weight
+                module.qweight = TiledWeight.from_quantized(weight) if tiled else weight
             attached.append(name)
         return attached
 

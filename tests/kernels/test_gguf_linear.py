@@ -73,13 +73,13 @@ def test_kernel_matches_reference(ops, ggml_type, n, k, rows):
 @pytest.mark.parametrize("n,k", [(37, 96), (576, 576), (100, 1536), (5, 32), (16, 64)])
 @pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 17, 64])  # the 8-row pass, then its tails
 def test_tiled_kernel_matches_reference(ops, ggml_type, n, k, rows):
-    """gguf_gemm_tiled (16 output rows a register; the last tile padded) against the same
+    """The tiled kernel (16 output rows a register; the last tile padded) against the same
     torch reference as the row kernel: the same int8 activations, exact integer sums."""
     w = random_blocks(ggml_type, n, k, seed=n + k)
     tiled = G.TiledWeight.from_quantized(w)
     assert tiled.wq.shape[0] == -(-n // G.TILE)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
-    out = G.gguf_gemm_tiled(x, tiled)
+    out = G.gguf_linear(x, tiled)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     ref = G.gguf_linear_reference(x, w)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max([1.0] + ref.abs().flatten().tolist()))
@@ -88,7 +88,7 @@ def test_tiled_kernel_matches_reference(ops, ggml_type, n, k, rows):
 def test_tiled_kernel_rejects_a_mismatched_weight(ops):
     tiled = G.TiledWeight.from_quantized(random_blocks(G.Q4_1, 40, 64))
     with pytest.raises(RuntimeError, match="expected K a multiple of 32"):
-        G.gguf_gemm_tiled(torch.randn(2, 96), tiled)
+        G.gguf_linear(torch.randn(2, 96), tiled)
     with pytest.raises(RuntimeError, match="float16"):
         ops.gguf_gemm_tiled(torch.randn(2, 64), tiled.wq, tiled.wd.float(), tiled.wm, G.Q4_1, 40)
 
@@ -98,7 +98,7 @@ def test_tiled_kernel_rejects_a_mismatched_weight(ops):
 def test_kernel_is_thread_count_independent(ops, ggml_type, tiled):
     w = random_blocks(ggml_type, 1000, 576)  # many 16-row chunks / tiles, split unevenly
     x = torch.randn(21 if tiled else 6, 576, generator=torch.Generator().manual_seed(1))
-    run = (lambda: G.gguf_gemm_tiled(x, G.TiledWeight.from_quantized(w))) if tiled else (
+    run = (lambda: G.gguf_linear(x, G.TiledWeight.from_quantized(w))) if tiled else (
         lambda: kernel(ops, x, w))
     before = torch.get_num_threads()
     try:
@@ -170,21 +170,23 @@ def test_linear_switches_to_the_float_gemm_above_the_row_limit(ops):
 
 
 def test_linear_with_tiles_takes_every_row_count(ops):
-    """A weight with its tiled copy runs the quantized (tiled) kernel at every row count, the
-    row limit notwithstanding (AVX-512 VNNI CPUs, where attach_quantized tiles)."""
-    w = random_blocks(G.Q8_0, 48, 64).with_tiles()
+    """A tiled weight runs the quantized (tiled) kernel at every row count, the row limit
+    notwithstanding (AVX-512 VNNI CPUs, where attach_quantized tiles)."""
+    w = random_blocks(G.Q8_0, 48, 64)
+    tiled = G.TiledWeight.from_quantized(w)
+    assert (tiled.out_features, tiled.in_features) == (48, 64)
     layer = Linear(64, 48)
     layer.weight.data.copy_(G.dequantize(w))
-    layer.qweight = w
+    layer.qweight = tiled
     for rows in (1, QUANTIZED_MAX_ROWS + 1, 100):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         out = layer(x)
-        assert torch.equal(out, G.gguf_gemm_tiled(x, w.tiled))
+        assert torch.equal(out, G.gguf_linear(x, tiled))
         torch.testing.assert_close(out, G.gguf_linear_reference(x, w), rtol=1e-5, atol=1e-4)
     layer.pack_weight()  # nothing reads the float weight any more: dropped, not packed
     assert layer.weight is None and layer.packed_weight is None
     x = torch.randn(3, 64)
-    assert torch.equal(layer(x), G.gguf_gemm_tiled(x, w.tiled))
+    assert torch.equal(layer(x), G.gguf_linear(x, tiled))
 
 
 @pytest.fixture(scope="module")
