@@ -422,7 +422,8 @@ def release_freed_heap() -> None:
     model has copied it, and under ``--quantization gguf`` the float weights of the linears that
     run on GGUF blocks. glibc keeps chunks that size in its heap, so without a trim the RSS stays
     where the load left it (embedded model, gguf mode, a 64-block KV pool: 1.02 GiB before,
-    0.43 after; docs/PERFORMANCE.md). A no-op where the C library has no ``malloc_trim`` (musl, macOS).
+    0.43 after; docs/PERFORMANCE.md). A no-op where the C library has no ``malloc_trim`` (musl,
+    macOS).
     """
     import ctypes
     import gc
