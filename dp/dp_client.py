@@ -1,8 +1,8 @@
 """DPEngineCoreClient: the engine-core client of a DP deployment — routing and waves.
 
 Everything else (sockets, ready handshake, send and poll loops, utility calls, liveness,
-shutdown, the processes) is :class:`atom.engine_core_client.MPClient`'s, which this
-subclasses; its ranks run ``python -m atom.dp.engine_core_proc`` (spawned), or a launcher started
+shutdown, the processes) is :class:`atom.engine.core_client.MPClient`'s, which this
+subclasses; its ranks run ``python -m atom.dp.dp_core_proc`` (spawned), or a launcher started
 them (:class:`LaunchedRanks`).
 
 Routing: requests go to the rank :class:`atom.dp.router.DPRouter` picks (``data_parallel_rank``
@@ -12,7 +12,7 @@ dispatch and released exactly once, when its last choice finishes (a stop string
 core's finish, an error included) or it is aborted (a client's abort or disconnect).
 
 ``cache_aware``: once the ranks are ready the client subscribes to every rank's KV events (the
-endpoints each rank reported in its ready message; :class:`atom.kv_subscriber.KVEventSubscriber`)
+endpoints each rank reported in its ready message; :class:`atom.engine.kv_subscriber.KVEventSubscriber`)
 and the router reads the subscriber's index. The client polls the subscriber, without waiting,
 before every routing decision and on every ``get_outputs``; no thread of its own.
 
@@ -23,7 +23,7 @@ group idle with current wave ``w + 1``; a :class:`~atom.messages.WaveWakeup` (a 
 request the client sent while it thought the group was stepping) makes it send ``StartWave`` to
 every rank. A tick-clocked request (``arrival_tick`` set: a replay) sent while idle defers that
 ``StartWave`` to the next :meth:`~DPEngineCoreClient.get_outputs`, so every request of a
-replay reaches its rank before the wave's first tick (``atom.dp.engine_core_proc``).
+replay reaches its rank before the wave's first tick (``atom.dp.dp_core_proc``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import msgspec
 
 from atom.config import EngineConfig
 from atom.dp.router import CacheAwareSettings, DPRouter
-from atom.engine_core_client import MPClient
-from atom.liveness import pid_running
-from atom.kv_subscriber import KVEventSubscriber, PublisherEndpoints, connectable_endpoint, \
+from atom.engine.core_client import MPClient
+from atom.engine.liveness import pid_running
+from atom.engine.kv_subscriber import KVEventSubscriber, PublisherEndpoints, connectable_endpoint, \
     wire_block_hashes
 from atom.messages import (
     AbortRequests,
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 class DPEngineCoreClient(MPClient):
     """Starts (or joins) ``config.data_parallel_size`` DP engine cores; routes and runs waves.
 
-    Args: as :class:`~atom.engine_core_client.MPClient` (``ranks``: default spawned on
+    Args: as :class:`~atom.engine.core_client.MPClient` (``ranks``: default spawned on
     this node; :class:`LaunchedRanks` under a launcher).
 
     Attributes:
@@ -70,7 +70,7 @@ class DPEngineCoreClient(MPClient):
         RuntimeError: (besides MPClient's) cache_aware, but a rank published no KV events.
     """
 
-    ENTRY_MODULE = "atom.dp.engine_core_proc"
+    ENTRY_MODULE = "atom.dp.dp_core_proc"
 
     def __init__(self, config: EngineConfig, **kwargs):
         cache_aware = config.dp_load_balance == "cache_aware"

@@ -2,7 +2,7 @@
 
 :func:`apply_expert_parallel` keeps a contiguous slice of every MoE layer's experts on each rank
 (rank r of W owns experts ``[r*E//W, (r+1)*E//W)``) and installs an :class:`ExpertParallel`
-dispatcher in each :class:`~atom.models.moe.MoE` layer. The model file knows nothing of it.
+dispatcher in each :class:`~atom.layers.moe.MoE` layer. The model file knows nothing of it.
 
 Per MoE layer and step, on the device group:
 
@@ -37,7 +37,7 @@ from atom.dp.collectives import (
     all_gather_into_tensor_async,
     reduce_scatter_tensor_async,
 )
-from atom.models.moe import MoE, moe_layers
+from atom.layers.moe import MoE, moe_layers
 
 
 class PendingTokens:

@@ -116,11 +116,11 @@ class _KVPool(Protocol):
 
 class PrefillSource(Protocol):
     """What :func:`local_prefill_inputs` reads from a rank's scheduler
-    (``atom.scheduler.Scheduler``)."""
+    (``atom.core.scheduler.Scheduler``)."""
 
     block_manager: _KVPool
 
-    def preview_admission(self): ...  # -> atom.scheduler.AdmissionPreview
+    def preview_admission(self): ...  # -> atom.core.scheduler.AdmissionPreview
 
     def has_pending_prefill(self) -> bool: ...
 

@@ -8,7 +8,7 @@ Policies (``--dp-load-balance``, :data:`atom.config.DP_LOAD_BALANCE_POLICIES`):
 - ``cache_aware`` (:func:`cache_aware_choice`), in this order:
 
   1. *cache hit*: the ranks whose cached prefix of the prompt (from a :class:`PrefixIndex`, in
-     practice the :class:`atom.kv_subscriber.KVCacheIndex` the KV events rebuild) covers at
+     practice the :class:`atom.engine.kv_subscriber.KVCacheIndex` the KV events rebuild) covers at
      least ``min_match_ratio`` of the prompt's full blocks; the longest prefix wins;
   2. *session*: else the rank the request's session was last sent to;
   3. *least load*: else the least-loaded rank.
@@ -54,7 +54,7 @@ _MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten fi
 
 
 class PrefixIndex(Protocol):
-    """What the router asks of the KV cache index (:class:`atom.kv_subscriber.KVCacheIndex`,
+    """What the router asks of the KV cache index (:class:`atom.engine.kv_subscriber.KVCacheIndex`,
     or the simulator's: any object fed with plain in-memory events will do)."""
 
     def longest_prefix_match(self, block_hashes: Sequence[int | bytes]) -> dict[int, int]:
@@ -196,7 +196,7 @@ class DPRouter:
             rank_hint: pins the rank.
             session_id: the request's session (cache_aware; ignored by the other policies).
             block_hashes: the prompt's chained full-block hashes in wire form
-                (:func:`atom.kv_subscriber.wire_block_hashes`; cache_aware only).
+                (:func:`atom.engine.kv_subscriber.wire_block_hashes`; cache_aware only).
         Raises:
             ValueError: ``request_id`` is already dispatched and unfinished, or ``rank_hint`` is
                 not a rank.

@@ -1,7 +1,7 @@
 """The DP tick's decisions as pure pieces, shared by the real loop and the simulator.
 
 What a tick does with its gathered values (docs/ARCHITECTURE.md, "The DP tick") is written
-here once: :meth:`atom.dp.engine_core_proc.DPEngineCoreProc._tick` runs it between its two
+here once: :meth:`atom.dp.dp_core_proc.DPEngineCoreProc._tick` runs it between its two
 exchanges, and the simulator (:mod:`atom.dp.sim`) runs the same functions for N virtual
 ranks on values gathered in memory, so a simulated tick takes the engine's decisions:
 
@@ -32,7 +32,7 @@ from atom.dp.prefill_policy import PrefillInputs, PrefillSource, local_prefill_i
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
 
 if TYPE_CHECKING:
-    from atom.scheduler import SchedulerOutput
+    from atom.core.scheduler import SchedulerOutput
 
 T = TypeVar("T")
 

@@ -126,7 +126,7 @@ def root_dir() -> pathlib.Path:
         return pathlib.Path(env).expanduser()
     if os.access(sys.prefix, os.W_OK):
         return pathlib.Path(sys.prefix) / "atom-kernels"
-    # As atom.embedded_model.cache_dir resolves it (kernels/ may not import the engine).
+    # As atom.worker.embedded_model.cache_dir resolves it (kernels/ may not import the engine).
     cache = os.environ.get("ATOM_CACHE_DIR")
     return (pathlib.Path(cache).expanduser() if cache
             else pathlib.Path.home() / ".cache" / "atom") / "kernels"

@@ -25,7 +25,7 @@ import time
 
 from atom.dp.rank_contract import MAX_RESTARTS_ENV, RESTART_COUNT_ENV
 from atom.launch.env import FRONT_END_PID_FILE_ENV
-from atom.liveness import pid_running
+from atom.engine.liveness import pid_running
 
 logger = logging.getLogger(__name__)
 

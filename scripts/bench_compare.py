@@ -211,7 +211,7 @@ def export_hf_folder() -> pathlib.Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from atom.embedded_model import cache_dir, ensure_embedded_gguf
+    from atom.worker.embedded_model import cache_dir, ensure_embedded_gguf
 
     gguf = ensure_embedded_gguf()
     folder = cache_dir() / "hf" / gguf.stem
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_python:
         spec["hf_folder"] = str(export_hf_folder())
     if args.llamacpp_python:
-        from atom.embedded_model import ensure_embedded_gguf
+        from atom.worker.embedded_model import ensure_embedded_gguf
         spec["gguf_path"] = str(ensure_embedded_gguf())
     runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
     for round_index in range(args.rounds):

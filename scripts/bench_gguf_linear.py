@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from atom.kernels.gguf import (QuantizedWeight, TiledWeight, gguf_linear,
                                    tiled_kernel_is_simd)
     from atom.kernels.linear import pack_weight, packed_linear
-    from atom.model_loader import load_gguf_blocks, load_model_weights
+    from atom.worker.model_loader import load_gguf_blocks, load_model_weights
 
     torch.set_num_threads(args.num_threads)
     if cpu_ops.load() is None:

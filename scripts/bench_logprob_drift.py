@@ -99,10 +99,10 @@ def _gguf_teacher_forced(prompts: list[list[int]], outputs: list[list[int]]) -> 
     feed fp32's tokens (all prompts in one batch)."""
     import torch
 
-    from atom.model_loader import load_gguf_blocks, load_model_weights
-    from atom.model_runner import ModelRunner
+    from atom.worker.model_loader import load_gguf_blocks, load_model_weights
+    from atom.worker.model_runner import ModelRunner
     from atom.sampling_params import SamplingParams
-    from atom.sequence import Sequence
+    from atom.core.sequence import Sequence
 
     block_size = 16
     longest = max(len(p) + len(o) for p, o in zip(prompts, outputs))

@@ -1,4 +1,4 @@
-"""Offline throughput benchmark (thin wrapper): the implementation is atom/entrypoints/bench.py,
+"""Offline throughput benchmark (thin wrapper): the implementation is atom/benchmarks/offline.py,
 so ``atom bench offline ...`` and ``python scripts/bench_offline.py ...`` are the same program.
 
 W1 (the default dataset): ``python scripts/bench_offline.py --max-tokens 128
@@ -7,7 +7,7 @@ W1 (the default dataset): ``python scripts/bench_offline.py --max-tokens 128
 
 import sys
 
-from atom.entrypoints.bench import main
+from atom.benchmarks.offline import main
 
 if __name__ == "__main__":
     sys.exit(main())

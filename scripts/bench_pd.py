@@ -12,7 +12,7 @@ Workload: ``--num-short`` short prompts (random token ids, ``--short-len`` token
 output tokens, ignore_eos) sent at t=0; then ``--num-long`` long prompts (``--long-len``
 tokens, ``--long-out`` output tokens) one every ``--long-gap-s`` seconds while the short ones
 decode. Every request streams; TTFT, TPOT (p50/p99) per class and the output throughput come
-from the client side (:mod:`atom.entrypoints.bench_serving`'s request timer). Prints a table,
+from the client side (:mod:`atom.benchmarks.serving`'s request timer). Prints a table,
 the P/D / colocated ratios, and writes JSON (``--output-json``). The CPU flags it ran on are in
 the JSON.
 """
@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_common import cpu_description, write_json_report  # noqa: E402
 
-from atom.entrypoints.bench_serving import RequestResult, send_request  # noqa: E402
+from atom.benchmarks.serving import RequestResult, send_request  # noqa: E402
 
 ATOM = str(pathlib.Path(sys.executable).parent / "atom")
 MODEL = "SmolLM2-135M-Instruct"

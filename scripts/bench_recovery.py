@@ -104,7 +104,7 @@ def _metric(url: str, name: str) -> float:
 
 def _rank1_core(proc) -> psutil.Process:
     for p in psutil.Process(proc.pid).children(recursive=True):
-        if "engine_core_proc" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1":
+        if "core_proc" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1":
             return p
     raise RuntimeError("no engine core of dp rank 1")
 

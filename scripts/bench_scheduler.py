@@ -1,6 +1,6 @@
 """Scheduler + postprocess overhead per running sequence per step (issue 7).
 
-Drives the real :class:`~atom.scheduler.Scheduler` and :class:`~atom.block_manager.BlockManager`
+Drives the real :class:`~atom.core.scheduler.Scheduler` and :class:`~atom.core.block_manager.BlockManager`
 with a fake model step (the "sampled" token is a constant, nothing is computed) at
 ``--num-seqs`` running sequences (default 256, all decoding, W1-like prompts of 112-144 tokens),
 with ``--num-waiting`` more requests queued behind them that cannot be admitted (the running
@@ -33,10 +33,10 @@ _FAKE_TOKEN = 1000
 def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_model_len: int,
                    num_blocks: int):
     """A scheduler with ``num_seqs`` W1-like sequences already prefilled and decoding."""
-    from atom.block_manager import BlockManager
+    from atom.core.block_manager import BlockManager
     from atom.sampling_params import SamplingParams
-    from atom.scheduler import Scheduler, SchedulerConfig
-    from atom.sequence import Sequence
+    from atom.core.scheduler import Scheduler, SchedulerConfig
+    from atom.core.sequence import Sequence
 
     rng = random.Random(0)
     config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     from atom.config import EngineConfig  # before torch: atom sets GOMP_SPINCOUNT
     import torch
 
-    from atom.model_loader import load_model_weights
-    from atom.model_runner import ModelRunner
-    from atom.sampler import Sampler
+    from atom.worker.model_loader import load_model_weights
+    from atom.worker.model_runner import ModelRunner
+    from atom.worker.sampler import Sampler
 
     config = EngineConfig(dtype=args.dtype, num_threads=args.num_threads)
     torch.set_num_threads(config.resolved_num_threads())

@@ -1,4 +1,4 @@
-"""Serving benchmark (thin wrapper): the implementation is atom/entrypoints/bench_serving.py, so
+"""Serving benchmark (thin wrapper): the implementation is atom/benchmarks/serving.py, so
 ``atom bench serve ...`` and ``python scripts/bench_serving.py ...`` are the same program.
 
 Against a running ``atom serve`` (or any OpenAI-compatible server):
@@ -9,7 +9,7 @@ Run with ``--help`` for every flag.
 
 import sys
 
-from atom.entrypoints.bench_serving import main
+from atom.benchmarks.serving import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,7 +44,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from atom.entrypoints.bench_serving import RequestResult, send_request
+from atom.benchmarks.serving import RequestResult, send_request
 from bench_common import cpu_description, write_json_report
 
 ATOM = str(pathlib.Path(sys.executable).parent / "atom")
@@ -219,7 +219,7 @@ def report(args, *, table: str, load: dict, results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from atom.model_loader import load_tokenizer
+    from atom.worker.model_loader import load_tokenizer
 
     args = parse_args(argv)
     system, users = make_sessions(args, load_tokenizer(None))

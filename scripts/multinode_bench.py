@@ -1,4 +1,4 @@
-"""Multi-node benchmark driver (thin wrapper): the implementation is atom/entrypoints/multinode/,
+"""Multi-node benchmark driver (thin wrapper): the implementation is atom/benchmarks/multinode/,
 so ``atom bench multinode ...`` and ``python scripts/multinode_bench.py ...`` are the same program.
 
 Two network hosts on this machine (network namespaces; as root), two ranks in all::
@@ -12,7 +12,7 @@ Run with ``--help`` for every flag; ``--method print`` shows each node's command
 
 import sys
 
-from atom.entrypoints.multinode import main
+from atom.benchmarks.multinode import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.sampler import sample_from
+from atom.worker.sampler import sample_from
 
 
 def chi_square_sf(statistic: float, df: int) -> float:

@@ -13,12 +13,12 @@
 Errors in the options or the inputs (a model that does not exist, a bad value) are one line on
 stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
 - ``atom serve``: the OpenAI-compatible server (:mod:`atom.entrypoints.openai.api_server`);
-  with ``--kv-role producer|consumer`` one half of a P/D pair (:mod:`atom.kv_connector`).
+  with ``--kv-role producer|consumer`` one half of a P/D pair (:mod:`atom.core.kv_connector`).
 - ``atom pd-proxy --prefill URL[,URL...] --decode URL[,URL...]``: one OpenAI endpoint over P/D
   instances (:mod:`atom.entrypoints.pd_proxy`).
-- ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.entrypoints.bench`);
-  ``atom bench serve ...``: the serving benchmark (:mod:`atom.entrypoints.bench_serving`);
-  ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.entrypoints.multinode`).
+- ``atom bench offline ...``: the offline throughput benchmark (:mod:`atom.benchmarks.offline`);
+  ``atom bench serve ...``: the serving benchmark (:mod:`atom.benchmarks.serving`);
+  ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.benchmarks.multinode`).
 - ``atom sim run | sweep | calibrate | workload``: the DP/EP simulator (:mod:`atom.dp.sim.cli`).
 
 Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
@@ -70,7 +70,7 @@ def _sampling_params(args: argparse.Namespace, defaults: dict | None = None) -> 
 
 def _chat_sampling_defaults(model: str | None) -> dict:
     """What the model recommends (temperature, top_p, top_k), else CHAT_SAMPLING_DEFAULTS."""
-    from atom.model_loader import recommended_sampling
+    from atom.worker.model_loader import recommended_sampling
 
     return recommended_sampling(model) or dict(CHAT_SAMPLING_DEFAULTS)
 
@@ -164,7 +164,7 @@ def _chat_turn(llm, conversation: list[dict], params: SamplingParams) -> str | N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from atom.entrypoints import bench
+    from atom.benchmarks import offline as bench
 
     parser = argparse.ArgumentParser(prog="atom", description=__doc__.split("\n\n")[0])
     parser.set_defaults(runs_engine=False)  # add_engine_args sets it on the engine commands
@@ -199,10 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    description=bench.__doc__.split("\n\n")[0], formatter_class=fmt)
     bench.add_offline_args(offline)
     offline.set_defaults(func=bench.run)
-    from atom.entrypoints import bench_serving
+    from atom.benchmarks import serving as bench_serving
 
     bench_serving.add_bench_serve_parser(bench_sub, fmt)
-    from atom.entrypoints import multinode
+    from atom.benchmarks import multinode
 
     multinode.add_bench_multinode_parser(bench_sub, fmt)
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 from atom.launch.errors import install_error_handler
 
                 install_error_handler()  # the launcher reports this rank's traceback
-                return launched.run_rank(argv, EngineConfig.from_kwargs(
+                return launched.run_launched_rank(argv, EngineConfig.from_kwargs(
                     **{f.name: getattr(args, f.name) for f in fields(EngineConfig)}))
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:  # a bad option or input: one line, like argparse

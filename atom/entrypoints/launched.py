@@ -2,7 +2,7 @@
 
 Every process the launcher starts runs the same command line (``atom generate ...``,
 ``atom serve ...``) with the rank contract in its environment (:mod:`atom.launch.launcher`).
-Each one is a DP rank: it runs the DP engine-core loop (:func:`atom.dp.engine_core_proc.run_rank`)
+Each one is a DP rank: it runs the DP engine-core loop (:func:`atom.dp.dp_core_proc.run_rank`)
 in its main thread and nothing else. The command's own work, the front end, runs once, in a
 child process of rank 0 (so it never sits inside rank 0's busy loop)::
 
@@ -105,7 +105,7 @@ def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
     return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos_token_ids, ranks=ranks)
 
 
-def run_rank(argv: list[str], config: EngineConfig) -> int:
+def run_launched_rank(argv: list[str], config: EngineConfig) -> int:
     """Run this process as one DP rank of a launched deployment (module docstring).
 
     Args:
@@ -119,12 +119,12 @@ def run_rank(argv: list[str], config: EngineConfig) -> int:
             shutting the ranks down. Start-up and loop errors of the rank itself propagate
             (the launcher reports them).
     """
-    from atom.dp.engine_core_proc import run_rank as run_dp_rank
+    from atom.dp.dp_core_proc import run_rank as run_dp_rank
     from atom.dp.groups import RankInfo
-    from atom.engine import tokenizer_eos_token_ids
-    from atom.engine_core_proc import ShutdownRequested, install_signal_handlers
+    from atom.engine.llm_engine import tokenizer_eos_token_ids
+    from atom.engine.core_proc import ShutdownRequested, install_signal_handlers
     from atom.launch.endpoints import lookup_endpoint, publish_endpoint
-    from atom.model_loader import load_tokenizer
+    from atom.worker.model_loader import load_tokenizer
 
     install_signal_handlers()  # the launcher decides; SIGTERM stops us
     info = RankInfo.from_env()

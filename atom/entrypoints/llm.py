@@ -17,7 +17,7 @@ from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from atom.engine import LLMEngine
+    from atom.engine.llm_engine import LLMEngine
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -25,8 +25,8 @@ _live_llms: "weakref.WeakSet[LLM]" = weakref.WeakSet()
 
 
 def build_engine(config: EngineConfig):
-    """The front end's :class:`atom.engine.LLMEngine` for ``config``: one engine-core process
-    (:class:`atom.engine_core_client.MPClient`), or with ``data_parallel_size > 1`` one per DP
+    """The front end's :class:`atom.engine.llm_engine.LLMEngine` for ``config``: one engine-core process
+    (:class:`atom.engine.core_client.MPClient`), or with ``data_parallel_size > 1`` one per DP
     rank (:class:`atom.dp.dp_client.DPEngineCoreClient`);
     in the front end of a launched deployment, a client of the ranks the launcher started
     (:mod:`atom.entrypoints.launched`). Every front end (``LLM``, the CLI, the OpenAI server)
@@ -36,7 +36,7 @@ def build_engine(config: EngineConfig):
         ValueError: invalid options or a model that cannot be loaded.
         RuntimeError: an engine-core process failed to start.
     """
-    from atom.engine import LLMEngine
+    from atom.engine.llm_engine import LLMEngine
 
     from atom.entrypoints.launched import is_front_end, launched_client
 
@@ -45,7 +45,7 @@ def build_engine(config: EngineConfig):
     if config.data_parallel_size > 1:
         from atom.dp.dp_client import DPEngineCoreClient as client_class
     else:
-        from atom.engine_core_client import MPClient as client_class
+        from atom.engine.core_client import MPClient as client_class
     return LLMEngine(config, client_factory=lambda config, extra_eos: client_class(
         config, extra_eos_token_ids=extra_eos))
 
@@ -62,8 +62,8 @@ class LLM:
     The engine core (weights, KV cache, scheduler) runs in its own process, started here and
     stopped by :meth:`shutdown` (or the context manager, or at interpreter exit); this process
     tokenizes, detokenizes and matches stop strings. If that process dies, calls raise
-    :class:`atom.engine_core_client.EngineDeadError` instead of hanging. (For the engine in
-    this process, e.g. to look at its scheduler, use :class:`atom.engine.LLMEngine`.)
+    :class:`atom.engine.core_client.EngineDeadError` instead of hanging. (For the engine in
+    this process, e.g. to look at its scheduler, use :class:`atom.engine.llm_engine.LLMEngine`.)
 
     Args:
         model: path of a .gguf file or a Hugging Face folder; None = the embedded

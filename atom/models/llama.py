@@ -3,7 +3,7 @@
 Covers Llama / SmolLM2 / Mistral-without-sliding-window: RMSNorm, rotary embeddings (Hugging
 Face ``rotate_half`` convention, so GGUF q/k rows must be un-permuted at load), grouped-query
 attention, SiLU-gated MLP, optionally tied input/output embeddings; and Mixtral, the same
-decoder with a top-k mixture of experts (:class:`atom.models.moe.MoE`) in place of the MLP.
+decoder with a top-k mixture of experts (:class:`atom.layers.moe.MoE`) in place of the MLP.
 
 The forward takes the flattened tokens of a mixed batch (prefill chunks and decodes): no batch
 dimension, no padding. Attention goes through :mod:`atom.kernels.attention`.
@@ -27,10 +27,10 @@ from atom.kernels.attention import AttentionMetadata, paged_attention
 from atom.kernels.gguf import (QuantizedWeight, TiledWeight, embedding, gguf_linear,
                                tiled_kernel_is_simd)
 from atom.kernels.linear import pack_weight, packed_linear
-from atom.models.moe import MoE
+from atom.layers.moe import MoE
 
 if TYPE_CHECKING:
-    from atom.model_loader import ModelArchConfig
+    from atom.worker.model_loader import ModelArchConfig
 
 #: The most rows (tokens of a step; sampled rows for the LM head) a linear layer with GGUF
 #: blocks computes with the row kernel; above it the float GEMM is faster on this machine's
@@ -206,7 +206,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer up to its MLP: returns (the residual stream after attention, the MLP's
         normalized input), both ``[T, hidden]``. The layer's output is ``x + mlp(h)``; the
-        two-batch-overlap executor (:mod:`atom.tbo`) runs the MLP's stages itself."""
+        two-batch-overlap executor (:mod:`atom.worker.tbo`) runs the MLP's stages itself."""
         h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta),
                                           residual=x)  # x += attention output, in place
         return x, h
@@ -281,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_quantized(self, blocks: dict[str, QuantizedWeight]) -> list[str]:
         """Give the linear layers (and the embedding) the GGUF file's own blocks
-        (``--quantization gguf``; :func:`atom.model_loader.load_gguf_blocks`): small-batch
+        (``--quantization gguf``; :func:`atom.worker.model_loader.load_gguf_blocks`): small-batch
         forwards then read those (:class:`Linear`), and the embedding lookup dequantizes its
         rows. q/k/v and gate/up are fused like the float weights; a fused layer whose parts are
         not all in blocks of one type keeps the float path. Where the tiled kernel has its
@@ -376,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         in the run dtype. Writes the new tokens' K/V (non-padding slots) to every layer's cache.
 
         ``num_layers``: run only the first this many layers, then the final norm (the early-exit
-        draft of speculative decoding, :mod:`atom.draft_proposer`); None = all."""
+        draft of speculative decoding, :mod:`atom.worker.draft_proposer`); None = all."""
         x = self.embed(input_ids)
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)

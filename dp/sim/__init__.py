@@ -1,10 +1,10 @@
 """atom.dp.sim: the DP/EP simulator — N virtual ranks running the engine's own scheduling code.
 
-Every virtual rank runs the real :class:`~atom.scheduler.Scheduler` and
-:class:`~atom.block_manager.BlockManager` (:mod:`atom.dp.sim.rank`); the group ticks through
+Every virtual rank runs the real :class:`~atom.core.scheduler.Scheduler` and
+:class:`~atom.core.block_manager.BlockManager` (:mod:`atom.dp.sim.rank`); the group ticks through
 the engine's own tick pieces (:mod:`atom.dp.tick`), prefill policies
 (:mod:`atom.dp.prefill_policy`) and router (:mod:`atom.dp.router`, cache-aware over a
-:class:`~atom.kv_subscriber.KVCacheIndex` fed the block managers' KV events), with the control
+:class:`~atom.engine.kv_subscriber.KVCacheIndex` fed the block managers' KV events), with the control
 and batch-shape vectors gathered in memory (:mod:`atom.dp.simulator`). Only the forward pass
 is a model (:mod:`atom.dp.sim.cost_model`, calibrated on this machine by ``atom sim
 calibrate``: :mod:`atom.dp.sim.calibrate`), and the sampled tokens come from the trace's

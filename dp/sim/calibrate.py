@@ -2,7 +2,7 @@
 
 Two parts, both on the real engine:
 
-1. **the grid** (one process, the per-rank terms): the real :class:`~atom.engine_core.EngineCore`'s
+1. **the grid** (one process, the per-rank terms): the real :class:`~atom.engine.core.EngineCore`'s
    model runner and sampler over a grid of batches (:data:`GRID`: decodes of 1-32 sequences
    at 64-512 tokens of context, prompt chunks of 16-512 tokens after 0-512 computed ones,
    mixed batches, the dummy batch, TBO splits), with the deployment's per-rank thread count;
@@ -79,7 +79,7 @@ def machine_info(num_threads: int) -> dict:
 def _entries(point: dict, core) -> list:
     """Sequences with blocks for ``point`` (module docstring), as scheduler entries."""
     from atom.sampling_params import SamplingParams
-    from atom.sequence import Sequence
+    from atom.core.sequence import Sequence
 
     entries, params = [], SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     for i, (n, ctx) in enumerate(point.get("prefill", [])):
@@ -121,7 +121,7 @@ class _MLPTimer:
 
 def _run_point(core, point: dict, timer: _MLPTimer) -> tuple[float, float, list[MicroBatch]]:
     """One timed forward + sampling of ``point``: seconds, MLP seconds, its micro-batches."""
-    from atom.tbo import split_batch
+    from atom.worker.tbo import split_batch
 
     entries = _entries(point, core)
     tbo = point.get("tbo", False)
@@ -147,7 +147,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
     rounds over the whole grid (so a burst of load from other processes spreads over the
     points instead of skewing one), the median per point. Returns one dict per point and the
     model's facts (KV bytes per token, context length, experts)."""
-    from atom.engine_core import EngineCore
+    from atom.engine.core import EngineCore
 
     core = EngineCore(dataclasses.replace(
         config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,

@@ -154,7 +154,7 @@ class MicroBatch:
 
 
 def micro_batch(entries: Sequence[tuple[object, int, int]]) -> MicroBatch:
-    """The features of ``(seq, offset, num_new_tokens)`` entries (``atom.tbo.split_batch``'s
+    """The features of ``(seq, offset, num_new_tokens)`` entries (``atom.worker.tbo.split_batch``'s
     form; offset > 0: the second half of a split request), read before the step runs."""
     num_tokens = num_sampled = decode_context = 0
     prefill_pairs = 0.0

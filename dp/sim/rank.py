@@ -1,27 +1,27 @@
 """One virtual DP rank of the simulator: the engine's own scheduler and block manager, with
 the forward pass and the sampler replaced (tokens come from the trace's output lengths).
 
-What it shares with :class:`atom.engine_core.EngineCore` (no copy of either): the
-:class:`~atom.scheduler.Scheduler` (its budgets from ``SchedulerConfig.from_engine_config``)
-and :class:`~atom.block_manager.BlockManager`, ``SchedulerOutput.sampled_seqs`` (which
+What it shares with :class:`atom.engine.core.EngineCore` (no copy of either): the
+:class:`~atom.core.scheduler.Scheduler` (its budgets from ``SchedulerConfig.from_engine_config``)
+and :class:`~atom.core.block_manager.BlockManager`, ``SchedulerOutput.sampled_seqs`` (which
 sequences a step samples), ``Scheduler.postprocess`` (counters, prefix-cache publication,
 stop checks: ``max_tokens`` = the trace's output length, ``ignore_eos``) and
-``atom.tbo.can_split`` (TBO eligibility). Imports no torch.
+``atom.worker.tbo.can_split`` (TBO eligibility). Imports no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from atom.block_manager import BlockManager
+from atom.core.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.dp.sim.cost_model import MicroBatch, micro_batch
 from atom.dp.sim.workload import SIM_OUTPUT_TOKEN_ID, TraceRequest
 from atom.dp.tick import TickArrivals
 from atom.sampling_params import SamplingParams
-from atom.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from atom.sequence import Sequence
-from atom.tbo import can_split, split_batch
+from atom.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from atom.core.sequence import Sequence
+from atom.worker.tbo import can_split, split_batch
 
 
 @dataclass
@@ -98,7 +98,7 @@ class SimRank:
 
     def micro_batches(self, sched: SchedulerOutput, *, tbo: bool) -> list[MicroBatch]:
         """The cost model's view of this rank's step (before it runs): one micro-batch, or
-        the two ``atom.tbo.split_batch`` makes."""
+        the two ``atom.worker.tbo.split_batch`` makes."""
         if not tbo:
             return [micro_batch([(seq, 0, n) for seq, n in sched.scheduled])]
         return [micro_batch(half) for half in split_batch(sched.scheduled)]

@@ -6,7 +6,7 @@ accuracy benchmark. Two clocks, as the workload says (:mod:`atom.dp.sim.workload
 
 - **tick-clocked** (``arrival_tick``): every request is sent before the first step, with its
   arrival tick; its rank holds it until that tick of the wave (``EngineCoreRequest.arrival_tick``,
-  :mod:`atom.dp.engine_core_proc`) and the DP client starts the wave only after the last one
+  :mod:`atom.dp.dp_core_proc`) and the DP client starts the wave only after the last one
   is sent. Routing happens at submission, in trace order, against the loads of the requests
   sent before (none has finished yet): the per-rank batch shapes of the run are then fixed by
   the workload and the configuration, whatever the machine's speed;
@@ -31,10 +31,10 @@ IDLE_TIMEOUT_S = 120.0  # liveness: the ranks end their wave this long after the
 
 
 def build_dp_engine(config: EngineConfig):
-    """An :class:`atom.engine.LLMEngine` over ``config.data_parallel_size`` spawned DP rank
+    """An :class:`atom.engine.llm_engine.LLMEngine` over ``config.data_parallel_size`` spawned DP rank
     processes (what ``atom.entrypoints.llm.build_engine`` builds off a launcher)."""
     from atom.dp.dp_client import DPEngineCoreClient
-    from atom.engine import LLMEngine
+    from atom.engine.llm_engine import LLMEngine
 
     return LLMEngine(config, client_factory=lambda config, extra_eos: DPEngineCoreClient(
         config, extra_eos_token_ids=extra_eos))

@@ -1,6 +1,6 @@
 """The simulator's DP loop: N virtual ranks ticking together, with the engine's decisions.
 
-Each tick does what :meth:`atom.dp.engine_core_proc.DPEngineCoreProc._tick` does on every
+Each tick does what :meth:`atom.dp.dp_core_proc.DPEngineCoreProc._tick` does on every
 rank, with the two all-gathers replaced by gathering the same values in memory:
 
 1. hand each rank's scheduler the requests that arrived (time-clocked: routed now by the
@@ -16,7 +16,7 @@ rank, with the two all-gathers replaced by gathering the same values in memory:
 5. the forward is the cost model (:class:`~atom.dp.sim.cost_model.CostModel`): the clock
    advances by the group's step; every rank postprocesses with the trace's tokens, its
    outputs timed when its own forward ends (without EP it does not wait for the slowest);
-6. KV events go to the router's :class:`~atom.kv_subscriber.KVCacheIndex` (``cache_aware``),
+6. KV events go to the router's :class:`~atom.engine.kv_subscriber.KVCacheIndex` (``cache_aware``),
    finished requests release their router load, and with a trace folder every rank's row is
    written in the ``--dp-trace`` format (:mod:`atom.dp.dp_trace`, on the simulated clock).
 
@@ -44,8 +44,8 @@ from atom.dp.sim.rank import RequestRecord, SimRank
 from atom.dp.sim.workload import TraceRequest, workload_clock
 from atom.dp.sync import GatheredBatchShape, GatheredControl
 from atom.dp.tick import StepCounters, TickAction, batch_shape, control_state, tick_action
-from atom.kv_subscriber import KVCacheIndex, wire_block_hashes
-from atom.scheduler import SchedulerOutput
+from atom.engine.kv_subscriber import KVCacheIndex, wire_block_hashes
+from atom.core.scheduler import SchedulerOutput
 
 DEFAULT_MAX_TICKS = 10_000_000  # a runaway guard, far above any workload's need
 

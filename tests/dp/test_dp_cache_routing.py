@@ -16,8 +16,8 @@ import pytest
 from atom import LLM, SamplingParams
 from atom.dp.router import DPRouter
 from atom.kv_events import BlockRemoved
-from atom.kv_subscriber import wire_block_hashes
-from tests.test_kv_subscriber import RecordingSubscriber
+from atom.engine.kv_subscriber import wire_block_hashes
+from tests.engine.test_kv_subscriber import RecordingSubscriber
 
 
 BLOCK_SIZE = 16

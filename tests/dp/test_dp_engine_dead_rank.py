@@ -9,7 +9,7 @@ import time
 import pytest
 
 from atom import LLM, SamplingParams
-from atom.engine_core_client import EngineDeadError
+from atom.engine.core_client import EngineDeadError
 
 
 

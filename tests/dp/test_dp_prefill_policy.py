@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from atom.block_manager import BlockManager
+from atom.core.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.dp.prefill_coalescer import PrefillCoalescer
 from atom.dp.prefill_delayer import PrefillDelayer
@@ -23,8 +23,8 @@ from atom.dp.prefill_policy import (
 )
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
 from atom.sampling_params import SamplingParams
-from atom.scheduler import Scheduler, SchedulerConfig
-from atom.sequence import Sequence
+from atom.core.scheduler import Scheduler, SchedulerConfig
+from atom.core.sequence import Sequence
 
 
 def rank(admittable: int = 1, *, decodes: int = 2, pending: bool | None = None) -> ControlState:

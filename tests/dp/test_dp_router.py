@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 import atom.dp.router as router_module
-from atom.block_manager import hash_block
+from atom.core.block_manager import hash_block
 from atom.dp.router import (CACHE_HIT, GUARD_FALLBACK, LEAST_LOAD, REASONS, SESSION,
                             CacheAwareSettings, DPRouter, LoadGuard, cache_aware_choice,
                             least_loaded)
 from atom.kv_events import stored_event
-from atom.kv_subscriber import KVCacheIndex, wire_block_hashes
+from atom.engine.kv_subscriber import KVCacheIndex, wire_block_hashes
 
 
 def test_round_robin_cycles():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom.block_manager import BlockManager
+from atom.core.block_manager import BlockManager
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
 from atom.dp.tick import (
     StepCounters,
@@ -17,8 +17,8 @@ from atom.dp.tick import (
     tick_action,
 )
 from atom.sampling_params import SamplingParams
-from atom.scheduler import Scheduler, SchedulerConfig
-from atom.sequence import Sequence
+from atom.core.scheduler import Scheduler, SchedulerConfig
+from atom.core.sequence import Sequence
 
 
 def gathered(*ranks: dict) -> GatheredControl:

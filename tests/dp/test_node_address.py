@@ -1,6 +1,6 @@
 """This node's address and gloo's interface (atom.dp.node_address), on this machine's real
 interfaces; the cross-host check on hand-made records (one per rank, as the store carries
-them). The same rules on real separate hosts: tests/entrypoints/test_multinode_netns.py."""
+them). The same rules on real separate hosts: tests/benchmarks/test_multinode_netns.py."""
 
 from __future__ import annotations
 

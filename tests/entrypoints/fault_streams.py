@@ -40,7 +40,7 @@ def engine_cores(server: RemoteServer) -> dict[int, psutil.Process]:
     cores = {}
     for p in psutil.Process(server.proc.pid).children(recursive=True):
         try:
-            if "engine_core_proc" in " ".join(p.cmdline()):
+            if "core_proc" in " ".join(p.cmdline()):
                 cores[int(p.environ()["RANK"])] = p
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue

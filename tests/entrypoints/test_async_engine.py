@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from atom.config import EngineConfig
-from atom.engine import LLMEngine
+from atom.engine.llm_engine import LLMEngine
 from atom.entrypoints.openai.async_engine import AsyncEngine
 
 RELEASE_TIMEOUT_S = 60.0  # liveness only

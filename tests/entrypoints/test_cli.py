@@ -147,7 +147,7 @@ def test_bench_offline_workload_errors_are_one_line_before_the_engine_starts(tmp
 
 
 def test_w1_ships_with_atom():
-    from atom.entrypoints.bench import W1_DATASET
+    from atom.benchmarks.offline import W1_DATASET
 
     items = json.loads(W1_DATASET.read_text())
     assert len(items) == 64 and all(112 <= len(x["ids"]) <= 144 for x in items)

@@ -28,7 +28,7 @@ MAX_NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from atom.model_loader import load_tokenizer
+    from atom.worker.model_loader import load_tokenizer
 
     tok = load_tokenizer(None)
     out = []
@@ -43,7 +43,7 @@ def prompts() -> list[list[int]]:
 def reference(prompts):
     from transformers import AutoModelForCausalLM
 
-    from atom.embedded_model import ensure_embedded_gguf
+    from atom.worker.embedded_model import ensure_embedded_gguf
 
     path = ensure_embedded_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -185,7 +185,7 @@ def test_n3_gives_three_reproducible_continuations_sharing_prefix_blocks(llm):
 def hf_model():
     from transformers import AutoModelForCausalLM
 
-    from atom.embedded_model import ensure_embedded_gguf
+    from atom.worker.embedded_model import ensure_embedded_gguf
 
     path = ensure_embedded_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -17,7 +17,7 @@ from tests.entrypoints.remote_server import ATOM, MODEL, RemoteServer
 
 def _engine_cores(server: RemoteServer) -> list[psutil.Process]:
     children = psutil.Process(server.proc.pid).children(recursive=True)
-    return [p for p in children if "engine_core_proc" in " ".join(p.cmdline())]
+    return [p for p in children if "core_proc" in " ".join(p.cmdline())]
 
 
 def test_health_fails_when_the_engine_core_dies():

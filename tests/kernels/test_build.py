@@ -1,6 +1,6 @@
 """The kernel build (kernels/build.py) and loader (kernels/cpu_ops.py): root folder, key, lock,
 failure marker, take-over of a dead build. The compiler is replaced by a fake here; real builds
-and killed builds run in tests/test_killed_start.py."""
+and killed builds run in tests/engine/test_killed_start.py."""
 
 from __future__ import annotations
 

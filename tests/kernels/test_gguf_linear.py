@@ -134,7 +134,7 @@ def test_kernel_rejects_bad_shapes_and_types(ops):
 def test_embedded_model_blocks_match_its_float_weights(ops):
     """The loader's blocks (rows un-permuted like the float weights) dequantize to exactly the
     float weights; the kernel on them stays within int8-activation error of the float GEMM."""
-    from atom.model_loader import load_gguf_blocks, load_model_weights
+    from atom.worker.model_loader import load_gguf_blocks, load_model_weights
 
     _, float_weights = load_model_weights(None, torch.float32)
     blocks = load_gguf_blocks(None)
@@ -191,8 +191,8 @@ def test_linear_with_tiles_takes_every_row_count(ops):
 
 @pytest.fixture(scope="module")
 def quantized_runner():
-    from atom.model_loader import load_gguf_blocks, load_model_weights
-    from atom.model_runner import ModelRunner
+    from atom.worker.model_loader import load_gguf_blocks, load_model_weights
+    from atom.worker.model_runner import ModelRunner
 
     arch, weights = load_model_weights(None, torch.float32)
     return ModelRunner(arch, weights, dtype=torch.float32, num_kv_blocks=64, block_size=16,
@@ -204,7 +204,7 @@ def test_decode_layer_in_one_call_equals_the_python_layers(ops, quantized_runner
     """The compiled decoder layer (llama_decode_layer_) against the Python layers on the same
     blocks: the same ops, so the same logits, up to the split attention's rounding."""
     from atom.sampling_params import SamplingParams
-    from atom.sequence import Sequence
+    from atom.core.sequence import Sequence
 
     runner, model = quantized_runner, quantized_runner.model
     assert model.decode_on_blocks
@@ -264,8 +264,8 @@ def test_without_the_kernels_the_quantized_mode_runs_the_float_path():
 
     code = (
         "import torch\n"
-        "from atom.model_loader import load_gguf_blocks, load_model_weights\n"
-        "from atom.model_runner import ModelRunner\n"
+        "from atom.worker.model_loader import load_gguf_blocks, load_model_weights\n"
+        "from atom.worker.model_runner import ModelRunner\n"
         "arch, w = load_model_weights(None, torch.float32)\n"
         "r = ModelRunner(arch, w, dtype=torch.float32, num_kv_blocks=4, block_size=16,\n"
         "                max_model_len=64, quantized_weights=load_gguf_blocks(None))\n"

@@ -40,8 +40,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atom.engine import DEAD, SERVING
-from atom.engine_core_client import EngineDeadError
+from atom.engine.llm_engine import DEAD, SERVING
+from atom.engine.core_client import EngineDeadError
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME

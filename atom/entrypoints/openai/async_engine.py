@@ -1,4 +1,4 @@
-"""AsyncEngine: an :class:`atom.engine.LLMEngine` driven by one thread, used from asyncio.
+"""AsyncEngine: an :class:`atom.engine.llm_engine.LLMEngine` driven by one thread, used from asyncio.
 
 ``LLMEngine`` is synchronous and not thread-safe, and its ``step()`` blocks (up to a second)
 waiting for the engine cores. So one thread owns it and does everything with it:
@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from atom.engine import DEAD, EngineStatus
-from atom.engine_core_client import EngineDeadError
+from atom.engine.llm_engine import DEAD, EngineStatus
+from atom.engine.core_client import EngineDeadError
 from atom.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -104,7 +104,7 @@ class AsyncEngine:
 
     @property
     def status(self) -> EngineStatus:
-        """The engine's :class:`~atom.engine.EngineStatus`; ``dead`` once the thread stopped
+        """The engine's :class:`~atom.engine.llm_engine.EngineStatus`; ``dead`` once the thread stopped
         (safe from any thread: the engine replaces its status, never mutates it)."""
         status = self.engine.status
         if self.dead_error is not None and status.state != DEAD:

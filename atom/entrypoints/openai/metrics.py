@@ -56,7 +56,7 @@ _ENGINE_GAUGES = (
      "Speculative decoding: accepted / proposed draft tokens since start (0-1)."),
     ("atom:spec_decode_mean_tokens_per_forward", "spec_mean_tokens_per_forward",
      "Speculative decoding: tokens emitted per verify since start (1 .. k + 1)."),
-    # P/D (--kv-role; atom.kv_transfer)
+    # P/D (--kv-role; atom.worker.tcp_kv_connector)
     ("atom:kv_transfer_kept_blocks", "kv_kept_blocks",
      "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
     ("atom:num_requests_waiting_for_remote_kvs", "num_waiting_for_remote_kvs",
@@ -91,7 +91,7 @@ _ENGINE_COUNTERS = (
      "Sequences x steps that verified drafts."),
     ("atom:spec_decode_num_verify_steps", "spec_num_verify_steps",
      "Forward steps in which some sequence verified drafts."),
-    # P/D (--kv-role; atom.kv_transfer)
+    # P/D (--kv-role; atom.worker.tcp_kv_connector)
     ("atom:kv_transfers", "kv_transfers",
      "KV transfers completed (consumer: pulls received; producer: pulls confirmed)."),
     ("atom:kv_transfer_bytes", "kv_transfer_bytes", "KV bytes received (consumer) or sent (producer)."),
@@ -300,7 +300,7 @@ class ServerMetrics:
 
     def render(self, rank_stats: list[dict], front_end_stats: dict | None = None) -> bytes:
         """The exposition text, with the engine series from ``rank_stats`` (one dict per rank)
-        and the front end's from ``front_end_stats`` (:meth:`atom.engine.LLMEngine.front_end_stats`)."""
+        and the front end's from ``front_end_stats`` (:meth:`atom.engine.llm_engine.LLMEngine.front_end_stats`)."""
         self._engine.rank_stats = rank_stats
         self._engine.front_end_stats = front_end_stats or {}
         return generate_latest(self.registry)

@@ -54,7 +54,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # P/D disaggregation (atom.kv_connector; set by atom pd-proxy): the fields of
+    # P/D disaggregation (atom.core.kv_connector; set by atom pd-proxy): the fields of
     # atom.messages.KVTransferParams
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -21,7 +21,7 @@ from atom.dp.sim.cost_model import (
     micro_batch,
 )
 from atom.sampling_params import SamplingParams
-from atom.sequence import Sequence
+from atom.core.sequence import Sequence
 
 C = Coefficients(step_s=10.0, token_s=1.0, mlp_token_s=0.5, sampled_s=2.0, seq_s=0.25,
                  prefill_pair_s=0.001, decode_context_s=0.01, dummy_s=3.0, ep_fixed_s=4.0,

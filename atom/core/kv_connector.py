@@ -1,0 +1,232 @@
+"""The KV connector of prefill/decode disaggregation: its interface and its scheduler side.
+
+Two engines share one request: a **producer** (``--kv-role producer``) prefills it and keeps
+its KV blocks; a **consumer** (``--kv-role consumer``) pulls those blocks into blocks of its
+own and decodes. The vocabulary and the split are vLLM's ``KVConnectorBase_V1`` (vLLM #15960),
+adapted to this scheduler:
+
+scheduler side (:class:`KVConnectorScheduler`, torch-free, called by the scheduler only):
+
+- :meth:`~KVConnectorScheduler.get_num_new_matched_tokens`: how many prompt tokens beyond the
+  local prefix-cache hits a consumer request can load from the producer;
+- :meth:`~KVConnectorScheduler.update_state_after_alloc`: the request got its blocks: record
+  which local blocks the remote ones go into (the request then waits in
+  ``WAITING_FOR_REMOTE_KVS``, outside the running batch);
+- :meth:`~KVConnectorScheduler.request_finished`: a producer request finished: whether to keep
+  (delay-free) its blocks, and the transfer params the consumer needs;
+- :meth:`~KVConnectorScheduler.build_connector_meta`: what changed since the last call (loads
+  to start, blocks kept, loads cancelled), handed to the worker side as one
+  :class:`KVConnectorMetadata`.
+
+worker side (:class:`KVConnectorWorker`, the transport; :class:`atom.worker.tcp_kv_connector.TCPKVConnector`):
+``register_kv_caches``, ``start_load_kv(metadata)``, ``get_finished()`` →
+:class:`KVConnectorOutput` (loads done or failed, kept blocks that may be freed), ``wait``.
+
+A request without ``kv_transfer_params`` never reaches any of these calls, so the local path
+costs one ``is None`` test per admission and per finish.
+
+Block arithmetic of a consumer request (block size 4, prompt of 10 tokens, 1 block cached
+locally; the producer's first token ``f`` is appended as output token 0)::
+
+    token_ids          p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 f
+    local blocks       [  cached   ,   pulled    ,  pulled   ]   (allocate: 11 tokens)
+    remote_block_ids   [    r0     ,     r1      ,    r2     ]
+    load               r1 -> local[1], r2 -> local[2]; num_computed_tokens = 10 afterwards
+
+The next step decodes ``f`` (its KV goes to slot 10 of local block 2) and samples token 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from atom.messages import KVTransferParams
+from atom.core.sequence import FinishReason, Sequence
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """The shape of one engine's KV cache, compared at the transfer handshake: blocks copied
+    between engines that differ in any field would be garbage.
+
+    Attributes:
+        dtype: the KV cache dtype name (``"float32"``, ``"bfloat16"``).
+        block_size: tokens per block.
+        num_kv_heads: KV heads per layer.
+        head_dim: elements per head.
+        num_layers: attention layers (one ``[2, blocks, block_size, heads, head_dim]`` tensor each).
+    """
+
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    def describe(self) -> str:
+        return (f"dtype={self.dtype}, block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, layers={self.num_layers}")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One pull a consumer starts: the producer's ``remote_block_ids`` into ``local_block_ids``
+    (same length, in order) for ``request_id`` (the consumer's engine request id)."""
+
+    request_id: str
+    params: KVTransferParams
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KeepSpec:
+    """Blocks a producer keeps for a consumer: ``block_ids`` of request ``request_id``."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Scheduler side → worker side, once per change (vLLM's ``KVConnectorMetadata``).
+
+    Attributes:
+        loads: pulls to start (consumer).
+        keeps: finished prefills whose blocks are kept (producer).
+        cancels: consumer request ids whose pull was aborted: drop the result, tell the producer.
+    """
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    keeps: list[KeepSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loads or self.keeps or self.cancels)
+
+
+@dataclass
+class KVConnectorOutput:
+    """Worker side → scheduler side (vLLM's ``KVConnectorOutput``).
+
+    Attributes:
+        finished_sending: producer request ids whose kept blocks may be freed now (the
+            consumer confirmed or released them, or the keep timeout passed).
+        finished_recving: consumer request ids whose KV is now in their local blocks.
+        failed_recving: consumer request id → why its pull failed (the request fails).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: dict[str, str] = field(default_factory=dict)
+
+
+class KVConnectorWorker(Protocol):
+    """The transport half (one per engine core; an RDMA one would slot in here)."""
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Begin the loads, register the keeps, drop the cancelled loads (never blocks)."""
+
+    def get_finished(self) -> KVConnectorOutput:
+        """What completed since the last call; finished loads are in the KV cache on return."""
+
+    def has_pending_output(self) -> bool:
+        """:meth:`get_finished` has something to report (an idle core steps to collect it)."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until something completes, at most ``timeout_s`` seconds."""
+
+
+class KVConnectorScheduler:
+    """The scheduler's half of the connector: which requests load, which blocks are kept.
+
+    Owns the pending metadata only; the scheduler owns the sequences and their blocks.
+
+    Args:
+        role: ``"producer"`` or ``"consumer"``.
+        block_size: tokens per KV block.
+        host, port: the producer's KV transfer address (what consumers are told).
+    """
+
+    def __init__(self, role: str, *, block_size: int, host: str | None = None,
+                 port: int | None = None):
+        self.role = role
+        self.block_size = block_size
+        self.host, self.port = host, port
+        self._meta = KVConnectorMetadata()
+
+    def check_request(self, params: KVTransferParams, *, num_prompt_tokens: int,
+                      n: int) -> str | None:
+        """Why a request with ``params`` cannot run on this engine, or None."""
+        if n != 1:
+            return f"kv_transfer_params needs n=1 (got n={n})"
+        if params.do_remote_decode == params.do_remote_prefill:
+            return "kv_transfer_params must set exactly one of do_remote_decode / do_remote_prefill"
+        if params.do_remote_decode and self.role != "producer":
+            return f"do_remote_decode needs an engine started with --kv-role producer (this is {self.role})"
+        if params.do_remote_prefill:
+            if self.role != "consumer":
+                return (f"do_remote_prefill needs an engine started with --kv-role consumer "
+                        f"(this is {self.role})")
+            if params.remote_host is None or params.remote_port is None or params.first_token_id is None:
+                return "do_remote_prefill needs remote_host, remote_port and first_token_id"
+            if params.remote_num_tokens != num_prompt_tokens:
+                return (f"the producer computed {params.remote_num_tokens} tokens but this prompt "
+                        f"has {num_prompt_tokens}: send the same prompt to both")
+            num_blocks = -(-num_prompt_tokens // self.block_size)
+            if len(params.remote_block_ids) != num_blocks:
+                return (f"remote_block_ids has {len(params.remote_block_ids)} blocks, the prompt "
+                        f"needs {num_blocks} of {self.block_size} tokens: the two engines' "
+                        f"--block-size differ")
+        return None
+
+    # ----- consumer -----
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """(prompt tokens to load from the producer beyond the ``num_computed_tokens`` found in
+        the local prefix cache, whether the load is asynchronous: always True here)."""
+        params = seq.kv_transfer_params
+        if params is None or not params.do_remote_prefill:
+            return 0, False
+        return max(0, params.remote_num_tokens - num_computed_tokens), True
+
+    def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
+        """``seq`` has blocks for all its tokens: record the load of its last
+        ``num_external_tokens`` prompt tokens (whole blocks from the first uncached one)."""
+        params = seq.kv_transfer_params
+        assert params is not None and params.do_remote_prefill
+        end = -(-params.remote_num_tokens // self.block_size)
+        start = (params.remote_num_tokens - num_external_tokens) // self.block_size  # cached: whole blocks
+        self._meta.loads.append(LoadSpec(seq.request_id, params, list(params.remote_block_ids[start:end]),
+                                         list(seq.block_table[start:end])))
+
+    def request_cancelled(self, seq: Sequence) -> None:
+        """A loading ``seq`` was aborted: its pull must be dropped (blocks are freed now)."""
+        self._meta.loads = [x for x in self._meta.loads if x.request_id != seq.request_id]
+        self._meta.cancels.append(seq.request_id)
+
+    # ----- producer -----
+
+    def request_finished(self, seq: Sequence, reason: FinishReason) -> tuple[bool, KVTransferParams | None]:
+        """(keep ``seq``'s blocks until the worker reports it sent, the params a consumer
+        needs). Kept only for a prefill that ended on its length (``max_tokens=1``) with a
+        token: an EOS, stop, abort or error leaves nothing to decode (vLLM's rule)."""
+        params = seq.kv_transfer_params
+        if (params is None or not params.do_remote_decode or reason is not FinishReason.LENGTH
+                or seq.num_output_tokens == 0 or not seq.block_table):
+            return False, None
+        num_tokens = seq.num_prompt_tokens
+        block_ids = list(seq.block_table[: -(-num_tokens // self.block_size)])
+        self._meta.keeps.append(KeepSpec(seq.request_id, block_ids))
+        return True, KVTransferParams(
+            do_remote_prefill=True, remote_host=self.host, remote_port=self.port,
+            remote_request_id=seq.request_id, remote_block_ids=block_ids,
+            remote_num_tokens=num_tokens, first_token_id=seq.token_ids[num_tokens])
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """The changes since the last call (and forget them)."""
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        return meta

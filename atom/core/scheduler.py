@@ -1,0 +1,610 @@
+"""Continuous-batching scheduler: chunked prefill, prefix-cache-aware admission, preemption.
+
+One ``schedule()`` call builds one step's batch under two budgets, ``max_num_seqs`` (running
+sequences) and ``max_num_batched_tokens`` (tokens computed this step). Running sequences go
+first, in arrival order: a decode takes one token, a partial prefill takes the next chunk.
+Waiting sequences are then admitted first-come-first-served while their blocks fit; admission
+reserves blocks for the sequence's current tokens (its prompt), not for ``max_tokens``, so a
+decode that finds no free block preempts the newest running sequence (recompute: its blocks are
+freed and it returns to the front of the waiting queue keeping its output tokens).
+
+The scheduler alone mutates sequence state. It imports no torch. ``schedule(allow_prefill=False)``
+holds all prefill work (admissions and partial-prefill chunks) for one step: the cross-rank
+decision (the prefill policy in ``atom.dp``) arrives as that plain value. :meth:`Scheduler.preview_admission`
+is a side-effect-free dry run of the same admission function: how many prefills the next step
+would start or continue and how many prompt tokens they would compute, which the prefill
+policies gather across ranks (lineage: SGLang #14201, ATOM #930; tokens after prefix-cache hits
+and within the token budget: ATOM #2196).
+
+Speculative decoding (``num_speculative_tokens = k > 0``): a decode also reserves slots for up to
+``k`` draft tokens after its last token (fewer near ``max_tokens`` / ``max_model_len``, or when the
+free blocks or the token budget run short: speculation never preempts anyone), so the verify
+forward scores them all at once. An in-scheduler proposer (n-gram) fills ``seq.spec_token_ids``
+right here and the reservation is its proposal's length; a model-based one fills them after
+scheduling (:meth:`Scheduler.set_spec_tokens`). ``postprocess`` appends the emitted tokens one by
+one with the stop checks (EOS, stop ids, ``min_tokens``, ``max_tokens``, ``max_model_len`` cut
+exactly, mid-run), counts as computed only the last token and the accepted drafts, and gives
+back the blocks that only rejected drafts used. Draft tokens are never in ``token_ids`` before
+they are accepted, so they never reach the prefix cache or the KV events.
+
+P/D disaggregation (:mod:`atom.core.kv_connector`): a consumer sequence is admitted with its blocks
+into ``waiting_for_remote_kvs`` (status ``WAITING_FOR_REMOTE_KVS``) instead of being prefilled,
+and joins the running batch when its pull is done; a producer's finished prefill may keep its
+blocks (``kv_kept``) until the consumer has them. Only sequences with ``kv_transfer_params``
+take these paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from atom.core.block_manager import BlockManager, DryRunClaims
+from atom.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
+from atom.core.ngram_proposer import Proposer
+from atom.core.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from atom.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets and limits of one scheduler (copied from the engine config)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0  # most draft tokens a decode verifies per step (0 = off)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The budgets of ``config`` (``max_model_len``: its resolved value)."""
+        return cls(max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=max_model_len,
+                   enable_chunked_prefill=config.enable_chunked_prefill,
+                   num_speculative_tokens=(config.num_speculative_tokens
+                                           if config.speculative_method else 0))
+
+
+@dataclass(frozen=True)
+class AdmissionPreview:
+    """What ``schedule(allow_prefill=True)`` would start or continue now (a dry run's result).
+
+    Attributes:
+        num_prefills: prefills it would schedule (admissions plus partial-prefill chunks).
+        num_prefill_tokens: prompt tokens those prefills would compute this step (after
+            prefix-cache hits, within the token budget left by the running decodes).
+    """
+
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: ``scheduled`` holds (sequence, tokens to compute this step)."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefill_held: bool = False  # allow_prefill=False held prefill work that could have run
+    # speculative decoding: seq_id -> draft slots reserved after its last token this step (the
+    # drafts themselves are seq.spec_token_ids); empty without speculation
+    spec_budget: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens the verify forward scores this step (on top of num_batched_tokens)."""
+        return sum(self.spec_budget.values())
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return sum(1 for seq, _ in self.scheduled if seq.is_prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed for prefills (prompt chunks, recomputation) this step."""
+        return sum(n for seq, n in self.scheduled if seq.is_prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences whose next token this step samples: those that reach their last
+        token (every decode, a prefill's last chunk), in batch order. Call before
+        :meth:`Scheduler.postprocess` (it reads ``num_computed_tokens`` before the step). The
+        model runner returns logits for the same sequences (in micro-batch order with TBO);
+        the simulator (``atom.dp.sim``) supplies their tokens instead of a model."""
+        return [seq for seq, n in self.scheduled
+                if seq.num_computed_tokens + n == len(seq.token_ids)]
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every sequence's status and token counters.
+
+    Args:
+        config: budgets and limits.
+        block_manager: the rank's KV block pool (the scheduler is its only caller).
+        eos_token_ids: token ids that end a sequence unless ``ignore_eos``.
+        proposer: with ``num_speculative_tokens > 0``, a proposer that runs inside
+            :meth:`schedule` (``runs_in_scheduler``: n-gram); None = the drafts come from
+            outside after scheduling (:meth:`set_spec_tokens`).
+        connector: the scheduler side of the P/D KV connector (:mod:`atom.core.kv_connector`), or
+            None. Only sequences with ``kv_transfer_params`` ever reach it.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
+                 eos_token_ids: tuple[int, ...] = (), proposer: Proposer | None = None,
+                 connector: KVConnectorScheduler | None = None):
+        if proposer is not None and not proposer.runs_in_scheduler:
+            raise ValueError(f"{type(proposer).__name__} cannot run inside the scheduler")
+        self.config = config
+        self.proposer = proposer
+        self.connector = connector
+        # P/D (atom.core.kv_connector), by request id: consumer sequences whose prompt KV is being
+        # pulled (they hold blocks, outside the running batch), and producer sequences that
+        # finished but whose blocks are kept for a consumer
+        self.waiting_for_remote_kvs: dict[str, Sequence] = {}
+        self.kv_kept: dict[str, Sequence] = {}
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of waiting ages (never wall time)
+
+    # ----- queue entry and exit -----
+
+    def add(self, seq: Sequence, *, error: str | None = None) -> bool:
+        """Queue ``seq``; a sequence that can never run is finished at once with ``error``
+        (``error``: a reason the caller found, e.g. token ids outside the vocabulary).
+
+        Returns False when the sequence was rejected (``seq.error_message`` says why).
+        """
+        reason = error if error is not None else self._never_fits(len(seq.token_ids))
+        if reason is not None:
+            self._finish(seq, FinishReason.ERROR, error_message=reason)
+            return False
+        seq.status = SequenceStatus.WAITING
+        seq.waiting_since_step = self.num_steps
+        self.waiting.append(seq)
+        return True
+
+    def _never_fits(self, num_tokens: int) -> str | None:
+        cfg, bm = self.config, self.block_manager
+        if num_tokens == 0:
+            return "the prompt is empty: send at least one token"
+        if num_tokens > cfg.max_model_len:
+            return (f"the prompt has {num_tokens} tokens, more than max_model_len="
+                    f"{cfg.max_model_len}: shorten it or raise max_model_len")
+        if bm.num_required_blocks(num_tokens) > bm.num_blocks:
+            return (f"the prompt needs {bm.num_required_blocks(num_tokens)} KV blocks but the "
+                    f"whole pool has {bm.num_blocks}: shorten it or raise num_kv_blocks / "
+                    f"kv_cache_memory_bytes")
+        if not cfg.enable_chunked_prefill and num_tokens > cfg.max_num_batched_tokens:
+            return (f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} with chunked prefill off: enable chunked "
+                    f"prefill or raise max_num_batched_tokens")
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End ``seq`` from outside the step (a stop string matched, or an abort)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_remote_kvs[seq.request_id]
+            self.connector.request_cancelled(seq)  # the KV cache is written on this thread only
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason, stop_reason=stop_reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, stop_reason: int | str | None = None,
+                error_message: str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.error_message = error_message
+        seq.spec_token_ids = []
+        if seq.block_table:
+            if seq.kv_transfer_params is not None and self.connector is not None:
+                keep, seq.kv_transfer_params = self.connector.request_finished(seq, reason)
+                if keep:  # freed when the worker reports it sent (update_from_kv_connector_output)
+                    self.kv_kept[seq.request_id] = seq
+                    return
+            self.block_manager.free(seq)
+
+    # ----- queries -----
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
+
+    def has_pending_prefill(self) -> bool:
+        """Waiting sequences or partial prefills exist (work a prefill policy may align)."""
+        return bool(self.waiting) or self.has_partial_prefill()
+
+    def num_running_decodes(self) -> int:
+        """Running sequences past their prompt (each computes one token a step)."""
+        return sum(1 for seq in self.running if not seq.is_prefill)
+
+    def has_partial_prefill(self) -> bool:
+        """A running sequence is part way through its prompt (a chunked prefill)."""
+        return any(seq.is_prefill for seq in self.running)
+
+    def oldest_waiting_age_steps(self) -> int:
+        """Steps (``schedule()`` calls) the longest-waiting sequence has spent in the waiting
+        queue since it last entered it (arrival or preemption); 0 when none waits."""
+        if not self.waiting:
+            return 0
+        return self.num_steps - min(seq.waiting_since_step for seq in self.waiting)
+
+    def preview_admission(self) -> AdmissionPreview:
+        """The prefills ``schedule(allow_prefill=True)`` would start or continue now, and their
+        tokens; no side effects.
+
+        Runs the admission rule of ``schedule()`` (same budgets, same block costs, same stop at
+        the first sequence that does not fit) on copies of the counters. Partial prefills that
+        would get a chunk count too, with the chunk's tokens. Blocks the step would hand out
+        (decode growth, earlier admissions: revived prefix blocks, evictions) are tracked as
+        :class:`DryRunClaims`, and choices admitted earlier in the dry run hold back their
+        siblings, as in ``schedule()``. A decode that would have to preempt ends the dry run:
+        ``schedule()`` admits nothing in a step that preempts (partial prefills behind that
+        decode are not counted). Tokens are what the step would compute: prefix-cache hits
+        excluded, chunks cut to the budget left (ATOM #2196: a fill signal built from raw
+        prompt lengths never matched what the step then ran).
+        """
+        bm = self.block_manager
+        claims = DryRunClaims()
+        token_budget = self.config.max_num_batched_tokens
+        count = num_tokens = 0
+        for seq in self.running:
+            if token_budget <= 0:
+                break
+            if seq.is_prefill:
+                num_new = min(seq.num_uncomputed_tokens, token_budget)
+                count += 1
+                num_tokens += num_new
+                token_budget -= num_new
+                continue
+            num_new_blocks = bm.num_required_blocks(len(seq.token_ids)) - len(seq.block_table)
+            if num_new_blocks > bm.num_unclaimed_free_blocks(claims):
+                return AdmissionPreview(count, num_tokens)
+            bm.claim_new_blocks(num_new_blocks, claims)
+            token_budget -= 1
+            if self.config.num_speculative_tokens:  # the same reservation as schedule()
+                num_spec = len(self._spec_tokens(seq, token_budget, bm.num_unclaimed_free_blocks(claims)))
+                bm.claim_new_blocks(self._num_spec_blocks(seq, num_spec), claims)
+                token_budget -= num_spec
+        prefilling = self._prefilling()
+        num_seqs = len(self.running)
+        for seq in self.waiting:
+            if token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
+                break
+            decision = self._admission(seq, token_budget, claims=claims, prefilling=prefilling)
+            if decision is None:
+                break
+            num_cached, num_new = decision
+            bm.claim(seq, claims)
+            if num_cached < max(seq.num_prompt_tokens, len(seq.token_ids) - 1):  # as is_prefill
+                prefilling[seq.request_id] = min(prefilling.get(seq.request_id, num_cached), num_cached)
+            count += 1
+            num_tokens += num_new
+            token_budget -= num_new
+            num_seqs += 1
+        return AdmissionPreview(count, num_tokens)
+
+    def _admission(self, seq: Sequence, token_budget: int, *, claims: DryRunClaims | None = None,
+                   prefilling: dict[str, int] | None = None) -> tuple[int, int] | None:
+        """(cached tokens, tokens computed this step) if ``seq`` can be admitted now, else None.
+
+        Choices of an ``n > 1`` request wait while an earlier choice in prefill has not yet
+        computed the prompt's full blocks, so they find them in the prefix cache instead of
+        computing them again. ``claims`` and ``prefilling`` (see :meth:`_prefilling`) carry the
+        state of ``preview_admission``'s dry run; by default the live state is used.
+        """
+        bm = self.block_manager
+        if seq.index > 0:
+            prefilling = self._prefilling() if prefilling is None else prefilling
+            num_cacheable = (len(seq.token_ids) - 1) // bm.block_size * bm.block_size
+            if prefilling.get(seq.request_id, num_cacheable) < num_cacheable:
+                return None
+        num_blocks, num_cached = bm.admission_cost(seq, claims)
+        num_free_blocks = bm.num_free_blocks if claims is None else bm.num_unclaimed_free_blocks(claims)
+        if num_blocks > num_free_blocks:
+            return None
+        num_uncomputed = len(seq.token_ids) - num_cached
+        # chunking off: a prompt must fit one step (add() rejects longer ones); a preempted
+        # sequence that outgrew the whole budget with its output tokens is recomputed in chunks
+        # rather than waiting forever at the front of the queue
+        if (not self.config.enable_chunked_prefill and num_uncomputed > token_budget
+                and len(seq.token_ids) <= self.config.max_num_batched_tokens):
+            return None
+        return num_cached, min(num_uncomputed, token_budget)
+
+    def _prefilling(self) -> dict[str, int]:
+        """request id -> fewest computed tokens among its running sequences in prefill."""
+        prefilling: dict[str, int] = {}
+        for s in self.running:
+            if s.is_prefill:
+                prefilling[s.request_id] = min(prefilling.get(s.request_id, s.num_computed_tokens),
+                                               s.num_computed_tokens)
+        return prefilling
+
+    # ----- the step -----
+
+    def schedule(self, *, allow_prefill: bool = True) -> SchedulerOutput:
+        """Build the next step's batch (see the module docstring for the policy).
+
+        Args:
+            allow_prefill: False holds every prefill (admissions and partial-prefill chunks)
+                for this step; decodes still run. The DP loop passes the cross-rank decision.
+        """
+        self.num_steps += 1
+        out = SchedulerOutput()
+        token_budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            seq = self.running[i]
+            if seq.is_prefill:
+                if not allow_prefill:
+                    out.prefill_held = True
+                    i += 1
+                    continue
+                num_new = min(seq.num_uncomputed_tokens, token_budget)
+            else:
+                num_new = 1
+                if not self._reserve_decode_slot(seq, out):
+                    continue  # seq left the running list (preempted or finished)
+                if self.config.num_speculative_tokens:  # drafts: budgeted, not in scheduled
+                    token_budget -= self._reserve_spec_slots(seq, out, token_budget - 1)
+            out.scheduled.append((seq, num_new))
+            token_budget -= num_new
+            i += 1
+        if self.waiting and not allow_prefill:
+            out.prefill_held = True
+        if allow_prefill and not out.preempted:
+            self._admit_waiting(out, token_budget)
+        return out
+
+    def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for one more token of ``seq``, preempting the newest sequences if needed."""
+        while not self.block_manager.can_append(seq):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                # alone and still out of blocks: the pool is smaller than this sequence
+                self.running.remove(seq)
+                self._finish(seq, FinishReason.LENGTH, error_message="the KV pool is full: raise "
+                             "num_kv_blocks / kv_cache_memory_bytes")
+                out.preempted.append(seq)
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.block_manager.append_slots(seq)
+        return True
+
+    def _spec_tokens(self, seq: Sequence, token_budget: int, num_free_blocks: int) -> list[int] | range:
+        """The drafts ``seq`` may verify this step: the in-scheduler proposer's tokens, or (for
+        a proposer that runs later) a range standing for the slots to reserve. At most ``k``,
+        and fewer when ``max_tokens`` or ``max_model_len`` is near (the verify emits up to one
+        token more than it has drafts), when ``token_budget`` is short, or when the slots would
+        need more than ``num_free_blocks`` new blocks (speculation never preempts)."""
+        params = seq.sampling_params
+        num = min(self.config.num_speculative_tokens, token_budget,
+                  self.config.max_model_len - len(seq.token_ids) - 1)
+        if params.max_tokens is not None:
+            num = min(num, params.max_tokens - seq.num_output_tokens - 1)
+        while num > 0 and self._num_spec_blocks(seq, num) > num_free_blocks:
+            num -= 1
+        if num <= 0:
+            return []
+        if self.proposer is None:
+            return range(num)
+        return self.proposer.propose([seq], [num])[0]
+
+    def _num_spec_blocks(self, seq: Sequence, num_spec: int) -> int:
+        """New blocks ``num_spec`` draft slots take beyond the decode's own slot."""
+        bm = self.block_manager
+        covered = max(len(seq.block_table), bm.num_required_blocks(len(seq.token_ids)))
+        return max(0, bm.num_required_blocks(len(seq.token_ids) + num_spec) - covered)
+
+    def _reserve_spec_slots(self, seq: Sequence, out: SchedulerOutput, token_budget: int) -> int:
+        """Reserve ``seq``'s draft slots (after its decode slot); returns how many."""
+        drafts = self._spec_tokens(seq, token_budget, self.block_manager.num_free_blocks)
+        if not drafts:
+            return 0
+        if self.proposer is not None:
+            seq.spec_token_ids = drafts
+        self.block_manager.append_slots(seq, len(seq.token_ids) + len(drafts))
+        out.spec_budget[seq.seq_id] = len(drafts)
+        return len(drafts)
+
+    def set_spec_tokens(self, out: SchedulerOutput, seqs: list[Sequence],
+                        drafts: list[list[int]]) -> None:
+        """Hand ``seqs`` their draft tokens (a model-based proposer's, after :meth:`schedule`);
+        each fits the slots reserved for it (``out.spec_budget``), which shrinks to the drafts'
+        length. Raises ValueError for more drafts than slots."""
+        for seq, tokens in zip(seqs, drafts):
+            budget = out.spec_budget.get(seq.seq_id, 0)
+            if len(tokens) > budget:
+                raise ValueError(f"seq {seq.seq_id}: {len(tokens)} drafts for {budget} reserved slots")
+            seq.spec_token_ids = list(tokens)
+            if tokens:
+                out.spec_budget[seq.seq_id] = len(tokens)
+            else:
+                out.spec_budget.pop(seq.seq_id, None)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.waiting_since_step = self.num_steps
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        logger.debug("preempted seq %d (%d tokens)", seq.seq_id, len(seq.token_ids))
+
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        while (self.waiting and token_budget > 0 and len(self.running)
+               + len(self.waiting_for_remote_kvs) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            decision = self._admission(seq, token_budget)
+            if decision is None:
+                break
+            _, num_new = decision
+            self.waiting.popleft()
+            num_cached = self.block_manager.allocate(seq)
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            if seq.kv_transfer_params is not None and self._start_remote_load(seq, num_cached):
+                continue
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            token_budget -= num_new
+
+    # ----- the KV connector (P/D) -----
+
+    def _start_remote_load(self, seq: Sequence, num_cached: int) -> bool:
+        """Admit a consumer sequence (its blocks are allocated) as waiting for its remote KV
+        instead of prefilling it; False when it has nothing to load (a producer request)."""
+        if self.connector is None or not seq.kv_transfer_params.do_remote_prefill:
+            return False
+        num_external, _ = self.connector.get_num_new_matched_tokens(seq, num_cached)
+        # num_external == 0 (the whole prompt was cached here) still goes through the worker,
+        # which reports it loaded at once: one path for the first-token injection
+        self.connector.update_state_after_alloc(seq, num_external)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[seq.request_id] = seq
+        return True
+
+    def update_from_kv_connector_output(self, output: KVConnectorOutput
+                                        ) -> tuple[list[Sequence], list[Sequence]]:
+        """Apply what the worker side finished: free kept blocks that were sent (producer);
+        move loaded sequences to the running batch with their prompt computed and the
+        producer's first token as their first output token (consumer); fail the sequences whose
+        pull failed.
+
+        Returns:
+            (loaded sequences: their first token is new output, some may have finished on it;
+            sequences failed with ``error``).
+        """
+        for request_id in output.finished_sending:
+            seq = self.kv_kept.pop(request_id, None)
+            if seq is not None:
+                self.block_manager.free(seq)
+        loaded, failed = [], []
+        for request_id in output.finished_recving:
+            seq = self.waiting_for_remote_kvs.pop(request_id, None)
+            if seq is None:
+                continue  # aborted meanwhile
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.kv_transfer_params = None  # loaded: a preemption now recomputes, as for any sequence
+            self.block_manager.cache_computed_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            loaded.append(seq)
+            reason, stop_reason = self._stop_check(seq, seq.token_ids[-1])
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason, stop_reason=stop_reason)
+        for request_id, error in output.failed_recving.items():
+            seq = self.waiting_for_remote_kvs.pop(request_id, None)
+            if seq is not None:
+                self._finish(seq, FinishReason.ERROR, error_message=error)
+                failed.append(seq)
+        return loaded, failed
+
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]]
+                    ) -> list[Sequence]:
+        """Apply one step's results: advance counters, publish computed blocks, append tokens.
+
+        Args:
+            out: the batch returned by ``schedule()`` for this step.
+            sampled_token_ids: seq_id → sampled token for each sequence that reached its end;
+                for a sequence that verified drafts (``out.spec_budget``), the list of tokens
+                the verifier emitted (its accepted drafts, then one more).
+        Returns:
+            The sequences that got new tokens (finished ones included), in batch order.
+        """
+        updated: list[Sequence] = []
+        spec = out.spec_budget
+        for seq, num_new in out.scheduled:
+            if seq.is_finished:  # finished from outside during the step
+                continue
+            if spec and seq.seq_id in spec:
+                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id])
+                updated.append(seq)
+                continue
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq)
+            token_id = sampled_token_ids.get(seq.seq_id)
+            if token_id is None:
+                continue  # mid-prompt chunk: nothing sampled
+            seq.token_ids.append(token_id)
+            updated.append(seq)
+            reason, stop_reason = self._stop_check(seq, token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason, stop_reason=stop_reason)
+        return updated
+
+    def _postprocess_spec(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append a verify step's emitted tokens up to the first that stops the sequence.
+
+        KV was written for the last token and every draft; only the last token and the
+        accepted drafts (``len(token_ids) - 1``) count as computed, and never past the
+        appended tokens (a stop cuts the run). Blocks past the kept tokens held only rejected
+        drafts and are freed.
+        """
+        num_before = len(seq.token_ids)
+        seq.spec_token_ids = []
+        reason = stop_reason = None
+        for token_id in token_ids:
+            seq.token_ids.append(token_id)
+            reason, stop_reason = self._stop_check(seq, token_id)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = min(num_before + len(token_ids) - 1, len(seq.token_ids) - 1)
+        self.block_manager.trim(seq, len(seq.token_ids))
+        self.block_manager.cache_computed_blocks(seq)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason, stop_reason=stop_reason)
+
+    def _stop_check(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.sampling_params
+        num_output = seq.num_output_tokens
+        if num_output > params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if len(seq.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None

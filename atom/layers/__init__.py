@@ -1,0 +1,1 @@
+"""atom.layers: building blocks several model families share (MoE today)."""

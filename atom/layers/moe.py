@@ -1,0 +1,200 @@
+"""Mixture-of-experts MLP (Mixtral / Qwen-MoE style) with its stages exposed.
+
+A :class:`MoE` layer replaces a dense MLP: a router (linear ``[E, hidden]``) scores every token,
+the top-k experts are chosen, and each chosen expert (a SiLU-gated MLP) contributes its output
+times its gate. Gates: ``"softmax"`` — softmax over all experts in float32, top-k, renormalized
+over the k (Mixtral, Mistral AI 2024, arXiv:2401.04088; Qwen-MoE with ``norm_topk_prob``), or
+``"unit"`` — every chosen expert weighs 1 (model (a) of docs/ARCHITECTURE.md: a dense MLP split along its
+intermediate dimension, every token to all experts, which sums back to the dense MLP).
+
+The forward is four stages, so an executor can interleave them across micro-batches
+(:mod:`atom.worker.tbo`, which uses the ``*_async`` forms of dispatch and combine)::
+
+    tokens = self.dispatch(x)           # this rank's tokens → every rank's (expert parallel)
+    ids, gates = self.route(tokens)     # top-k expert ids and gates per token
+    partial = self.experts(tokens, ids, gates)  # this rank's experts only
+    y = self.combine(partial)           # sum over ranks, back to this rank's tokens
+
+On one rank ``dispatch`` and ``combine`` are the identity and every expert is local. Expert
+parallelism (:func:`atom.dp.expert_parallel.apply_expert_parallel`) keeps only a slice of the
+experts on each rank and installs a :class:`Dispatcher` that moves tokens between ranks; the
+model code has no expert-parallel branches.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATE_MODES = ("softmax", "unit")
+
+
+class Pending(Protocol):
+    """Tokens an async collective is filling."""
+
+    def wait(self) -> None: ...
+
+    def result(self) -> torch.Tensor: ...
+
+
+class Dispatcher(Protocol):
+    """Moves tokens between ranks around the expert computation (expert parallelism)."""
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens ``[T, hidden]`` → the tokens every local expert must see."""
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """Partial outputs of the local experts for the dispatched tokens → this rank's
+        outputs ``[T, hidden]`` summed over every rank's experts."""
+
+    def dispatch_async(self, x: torch.Tensor) -> Pending:
+        """:meth:`dispatch` with its collective left in flight (two-batch overlap)."""
+
+    def combine_async(self, partial: torch.Tensor) -> Pending:
+        """:meth:`combine` with its collective left in flight (two-batch overlap)."""
+
+
+class MoE(nn.Module):
+    """Top-k mixture of SiLU-gated experts.
+
+    Args:
+        hidden_size, intermediate_size: per expert (``intermediate_size`` of one expert).
+        num_experts: E, experts of the whole model.
+        top_k: experts per token (``top_k == num_experts`` with unit gates: all of them).
+        gate_mode: ``"softmax"`` or ``"unit"`` (module docstring).
+
+    Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates),
+    ``gate_up_proj`` ``[E_local, 2 * intermediate, hidden]`` (gate rows first, then up),
+    ``down_proj`` ``[E_local, hidden, intermediate]``; local experts are
+    ``[expert_start, expert_start + E_local)``.
+
+    Raises:
+        ValueError: ``top_k`` outside ``[1, num_experts]`` or an unknown ``gate_mode``.
+    """
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
+                 top_k: int, gate_mode: str = "softmax") -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if gate_mode not in GATE_MODES:
+            raise ValueError(f"gate_mode={gate_mode!r}: use one of {GATE_MODES}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate_mode = gate_mode
+        self.router = (nn.Linear(hidden_size, num_experts, bias=False) if gate_mode == "softmax"
+                       else None)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                                      requires_grad=False)
+        self.expert_start = 0
+        self.dispatcher: Dispatcher | None = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]`` → ``[T, hidden]``, same dtype."""
+        tokens = self.dispatch(x)
+        ids, gates = self.route(tokens)
+        return self.combine(self.experts(tokens, ids, gates))
+
+    # ----- stages -----
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.dispatcher is None else self.dispatcher.dispatch(x)
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.dispatcher is None else self.dispatcher.combine(partial)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, hidden]`` → (expert ids int64 ``[N, k]``, gates float32 ``[N, k]``)."""
+        n = x.shape[0]
+        if self.gate_mode == "unit":
+            ids = torch.arange(self.top_k, device=x.device).expand(n, self.top_k)
+            return ids, torch.ones(n, self.top_k, device=x.device)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        gates, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, gates / gates.sum(dim=-1, keepdim=True)
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """The local experts' gated outputs for ``x`` ``[N, hidden]`` (zeros where a token chose
+        no local expert); ``[N, hidden]`` in x's dtype."""
+        out = torch.zeros_like(x)
+        for local in range(self.num_local_experts):
+            token_idx, slot = torch.where(ids == self.expert_start + local)
+            if token_idx.numel() == 0:
+                continue
+            h = x.index_select(0, token_idx)
+            gate, up = F.linear(h, self.gate_up_proj[local]).split(self.intermediate_size, -1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[local])
+            out.index_add_(0, token_idx, h * gates[token_idx, slot, None].to(h.dtype))
+        return out
+
+    def shard_experts(self, start: int, end: int) -> None:
+        """Keep only experts ``[start, end)`` (expert parallelism); frees the others.
+
+        Raises:
+            ValueError: the range is empty or outside this layer's experts.
+        """
+        if not (self.expert_start <= start < end <= self.expert_start + self.num_local_experts):
+            raise ValueError(f"experts [{start}, {end}) are not within this layer's local "
+                             f"experts [{self.expert_start}, "
+                             f"{self.expert_start + self.num_local_experts})")
+        lo, hi = start - self.expert_start, end - self.expert_start
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj[lo:hi].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj[lo:hi].clone(), requires_grad=False)
+        self.expert_start = start
+
+
+def moe_from_dense_mlp(gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+                       num_experts: int) -> MoE:
+    """Model (a) of docs/ARCHITECTURE.md: a SiLU-gated MLP split into ``num_experts`` experts along its
+    intermediate dimension, every token routed to all of them with gate 1 — the same function
+    as the dense MLP (up to the order of the final sum).
+
+    Args:
+        gate_up_weight: the fused ``[2 * I, hidden]`` (gate rows, then up rows).
+        down_weight: ``[hidden, I]``.
+    Raises:
+        ValueError: ``I`` is not a multiple of ``num_experts``.
+    """
+    intermediate = down_weight.shape[1]
+    if num_experts < 1 or intermediate % num_experts:
+        raise ValueError(f"cannot split an intermediate size of {intermediate} into "
+                         f"{num_experts} equal experts: pick a divisor of {intermediate}")
+    size = intermediate // num_experts
+    hidden = down_weight.shape[0]
+    moe = MoE(hidden_size=hidden, intermediate_size=size, num_experts=num_experts,
+              top_k=num_experts, gate_mode="unit").to(down_weight.dtype)
+    gate, up = gate_up_weight.split(intermediate, dim=0)
+    moe.gate_up_proj.data = torch.cat([gate.view(num_experts, size, hidden),
+                                       up.view(num_experts, size, hidden)], dim=1).contiguous()
+    moe.down_proj.data = down_weight.view(hidden, num_experts, size).permute(1, 0, 2).contiguous()
+    return moe
+
+
+def split_mlps_into_experts(model: nn.Module, num_experts: int) -> None:
+    """Replace every decoder layer's dense ``mlp`` by :func:`moe_from_dense_mlp` (in place).
+
+    Raises:
+        ValueError: the model has no dense MLPs, or see :func:`moe_from_dense_mlp`.
+    """
+    layers = getattr(model, "layers", [])
+    if not layers or isinstance(layers[0].mlp, MoE):
+        raise ValueError("--moe-split-experts needs a dense model (Llama-style MLPs)")
+    for layer in layers:
+        layer.mlp = moe_from_dense_mlp(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
+                                       num_experts)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers, in order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]

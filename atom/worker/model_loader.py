@@ -1,0 +1,504 @@
+"""Load a model's architecture config, weights and tokenizer.
+
+Three sources, one result (Hugging Face parameter names, the run dtype):
+
+- ``None``: the embedded SmolLM2-135M-Instruct GGUF
+  (:func:`atom.worker.embedded_model.ensure_embedded_gguf`);
+- a path to a ``.gguf`` file (llama architecture), read with the ``gguf`` package;
+- a Hugging Face folder (``config.json`` + ``*.safetensors``, ``LlamaForCausalLM``).
+
+GGUF specifics: GGUF lists tensor dimensions in the reverse order of torch (``gguf`` already
+hands back numpy arrays in torch order), and llama.cpp's converter permutes the rows of
+``attn_q``/``attn_k`` so that rotary pairs are interleaved; we undo that permutation exactly as
+transformers' GGUF loader does (``LlamaTensorProcessor._reverse_permute_weights``) so the model
+uses Hugging Face's ``rotate_half`` rotary.
+
+Dequantizing takes seconds, so the result is cached on disk as one safetensors file per
+(source file, dtype) under ``cache_dir()/weights/`` (written atomically; the arch config rides
+in its metadata), and the GGUF tokenizer is saved once with ``save_pretrained`` under
+``cache_dir()/tokenizer/``. The cache key is the file's name, size and mtime: re-fetching or
+editing the GGUF invalidates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from atom.worker.embedded_model import cache_dir, ensure_embedded_gguf
+
+logger = logging.getLogger(__name__)
+
+_CACHE_FORMAT_VERSION = "1"
+_SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+# GGUF tensor name (per block: "blk.N.<key>") -> Hugging Face parameter name.
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """What the model code needs to know about an architecture (read from GGUF or config.json).
+
+    Attributes:
+        architecture: Hugging Face class name, e.g. ``"LlamaForCausalLM"``.
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers: as in HF configs.
+        num_attention_heads, num_key_value_heads, head_dim: query heads, KV heads (GQA) and the
+            per-head size (``hidden_size / num_attention_heads`` unless the config says otherwise).
+        rope_theta: rotary base (no rope scaling is supported).
+        rms_norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: the LM head reuses the input embedding matrix.
+        max_position_embeddings: the longest context the model was trained for, in tokens.
+        bos_token_id: beginning-of-sequence id, or None.
+        eos_token_ids: ids that end generation (first one is the tokenizer's EOS).
+        num_experts, num_experts_per_tok: MoE layout (None for dense models).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelArchConfig:
+        d = json.loads(text)
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# source resolution
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> pathlib.Path:
+    """The file or folder ``model`` names (``None`` = the embedded GGUF, fetched if needed).
+
+    Raises:
+        FileNotFoundError: the path does not exist (hub ids are not downloaded).
+        ValueError: a file that is not ``.gguf``, or a folder without ``config.json``.
+    """
+    if model is None:
+        return ensure_embedded_gguf()
+    path = pathlib.Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} not found: pass a path to a .gguf file or to a Hugging Face "
+            f"folder (config.json + *.safetensors), or omit it for the embedded SmolLM2 model "
+            f"(hub ids are not downloaded)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a folder")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"model folder {path} has no config.json; pass a Hugging Face model folder")
+    return path.resolve()
+
+
+def _file_cache_key(path: pathlib.Path) -> str:
+    st = path.stat()
+    return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def arch_config_from_gguf(reader) -> ModelArchConfig:
+    """Read a :class:`ModelArchConfig` from an open ``gguf.GGUFReader``'s metadata.
+
+    Raises:
+        ValueError: an architecture other than ``llama``, or rope scaling.
+    """
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{sorted(_GGUF_ARCHITECTURES)}")
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"GGUF rope scaling ({scaling!r} / rope_freqs) is not supported")
+    hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelArchConfig(
+        architecture=_GGUF_ARCHITECTURES[arch],
+        vocab_size=int(_gguf_field(reader, f"{arch}.vocab_size", int(embd.shape[-1]))),
+        hidden_size=hidden,
+        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=hidden // num_heads,
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length")),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _reverse_llama_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py`` ``LlamaModel.permute``).
+
+    llama.cpp stores each head's rows as interleaved rotary pairs; HF keeps the two halves
+    apart (``rotate_half``). w: ``[num_heads * head_dim, hidden]``.
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+
+
+def _dequantize_gguf(
+    reader, config: ModelArchConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable:  # unquantized tensors come back as a view of the mmap
+            array = array.copy()
+        # gguf lists dims innermost first; the dequantized array is already in torch order.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        w = torch.from_numpy(array.reshape(shape)).float()
+        if tensor.name.endswith("attn_q.weight"):
+            w = _reverse_llama_permute(w, config.num_attention_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            w = _reverse_llama_permute(w, config.num_key_value_heads)
+        state_dict[name] = w.to(dtype).contiguous()
+    return state_dict
+
+
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    name = f"{_file_cache_key(path)}-{_dtype_name(dtype)}.safetensors"
+    cache_file = cache_dir() / "weights" / name
+    if use_cache and cache_file.is_file():
+        with safe_open(str(cache_file), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("atom_cache_version") == _CACHE_FORMAT_VERSION:
+            logger.info("weights: cache hit %s", cache_file)
+            return ModelArchConfig.from_json(meta["arch_config"]), load_file(str(cache_file))
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = arch_config_from_gguf(reader)
+    state_dict = _dequantize_gguf(reader, config, dtype)
+    if use_cache:
+        _save_atomically(cache_file, state_dict, {
+            "atom_cache_version": _CACHE_FORMAT_VERSION, "arch_config": config.to_json(),
+            "source": str(path)})
+    return config, state_dict
+
+
+def _save_atomically(
+    target: pathlib.Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> None:
+    """Write a safetensors file via a temp file in the same folder + ``os.replace`` (atomic),
+    so a concurrent reader (another rank) never sees a partial file."""
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, target)
+    finally:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+
+
+def arch_config_from_hf(config: dict, generation_config: dict | None = None) -> ModelArchConfig:
+    """Build a :class:`ModelArchConfig` from a parsed ``config.json`` (transformers 4 or 5 keys).
+
+    Raises:
+        ValueError: unsupported architecture, rope scaling, or biases.
+    """
+    archs = config.get("architectures") or (
+        ["LlamaForCausalLM"] if config.get("model_type") == "llama" else [])
+    arch = next((a for a in archs if a in _SUPPORTED_HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs or config.get('model_type')!r}; "
+                         f"supported: {list(_SUPPORTED_HF_ARCHITECTURES)}")
+    # transformers 5 moves rope_theta / rope_scaling into rope_parameters.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"rope scaling {rope!r} is not supported (only the default rope)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise ValueError(f"{flag}=True is not supported by atom's Llama")
+    num_heads = config["num_attention_heads"]
+    eos: list[int] = []
+    for source in (config, generation_config or {}):
+        value = source.get("eos_token_id")
+        for token in ([value] if isinstance(value, int) else value or []):
+            if token not in eos:
+                eos.append(int(token))
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(eos),
+        num_experts=config.get("num_local_experts"),
+        num_experts_per_tok=config.get("num_experts_per_tok"),
+    )
+
+
+def _load_hf_folder(path: pathlib.Path, dtype: torch.dtype):
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    arch_config = arch_config_from_hf(config, gen)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
+                                f"save_pretrained(..., safe_serialization=True)")
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        state_dict.update({k: v.to(dtype) for k, v in load_file(str(file)).items()})
+    return arch_config, state_dict
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def load_model_weights(
+    model: str | os.PathLike | None, dtype: torch.dtype, *, use_cache: bool = True,
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Load the architecture config and the weights (HF parameter names, ``dtype``, CPU).
+
+    Args:
+        model: ``None`` (embedded SmolLM2 GGUF), a ``.gguf`` path or a Hugging Face folder.
+        dtype: run dtype, e.g. ``torch.bfloat16`` or ``torch.float32``.
+        use_cache: for GGUF, read/write the dequantized weights under ``cache_dir()/weights/``.
+    Returns:
+        ``(config, state_dict)``; with tied embeddings there is no ``lm_head.weight``.
+    Raises:
+        FileNotFoundError: missing path or weight files.
+        ValueError: unsupported file type, architecture or config option.
+        RuntimeError: the embedded model cannot be fetched.
+    """
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    if path.is_file():
+        config, state_dict = _load_gguf(path, dtype, use_cache=use_cache)
+    else:
+        config, state_dict = _load_hf_folder(path, dtype)
+    logger.info("loaded %s weights (%s, %s) in %.2f s", config.architecture, path.name,
+                _dtype_name(dtype), time.perf_counter() - start)
+    return config, state_dict
+
+
+def load_gguf_blocks(model: str | os.PathLike | None) -> dict:
+    """The GGUF's linear weights in their own quantized blocks (``--quantization gguf``).
+
+    Every tensor of a type the kernels read (:data:`atom.kernels.gguf.TYPE_NAMES`: Q4_1, Q8_0)
+    becomes a :class:`~atom.kernels.gguf.QuantizedWeight` under its Hugging Face name, rows in
+    torch order (``attn_q`` / ``attn_k`` un-permuted like the float weights); tensors of other
+    types are left out (their layers run on the float weights). The blocks are copied out of
+    the file's memory map into planes (97 MB for the embedded model; no dequantization).
+
+    Args:
+        model: ``None`` (embedded SmolLM2 GGUF) or a ``.gguf`` path.
+    Returns:
+        ``{hf_name: QuantizedWeight}``.
+    Raises:
+        ValueError: ``model`` is not a GGUF file, or its architecture is unsupported.
+        FileNotFoundError: as :func:`resolve_model_path`.
+    """
+    import gguf
+    import numpy as np
+
+    from atom.kernels.gguf import TYPE_NAMES, QuantizedWeight
+
+    path = resolve_model_path(model)
+    if not path.is_file():
+        raise ValueError(f"--quantization gguf reads a GGUF file's blocks; {path} is a folder: "
+                         f"pass a .gguf file, or drop --quantization")
+    reader = gguf.GGUFReader(str(path))
+    config = arch_config_from_gguf(reader)
+    blocks = {}
+    for tensor in reader.tensors:
+        if int(tensor.tensor_type) not in TYPE_NAMES:
+            continue
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        if tensor.name.endswith("attn_q.weight"):
+            rows = _reverse_llama_permute(rows, config.num_attention_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            rows = _reverse_llama_permute(rows, config.num_key_value_heads)
+        blocks[_hf_name(tensor.name)] = QuantizedWeight.from_gguf_blocks(
+            rows.contiguous(), int(tensor.tensor_type))
+    return blocks
+
+
+def release_freed_heap() -> None:
+    """Hand the memory freed since start-up back to the OS (glibc's ``malloc_trim(0)``).
+
+    A load frees hundreds of MB in chunks of a few MB: the dequantized state dict once the
+    model has copied it, and under ``--quantization gguf`` the float weights of the linears that
+    run on GGUF blocks. glibc keeps chunks that size in its heap, so without a trim the RSS stays
+    where the load left it (embedded model, gguf mode, a 64-block KV pool: 1.02 GiB before,
+    0.43 after; docs/PERFORMANCE.md). A no-op where the C library has no ``malloc_trim`` (musl,
+    macOS).
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+#: llama.cpp's GGUF keys for a model's recommended sampling, and generation_config.json's
+_GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                       "general.sampling.top_k": "top_k"}
+_HF_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def recommended_sampling(model: str | os.PathLike | None) -> dict[str, float | int]:
+    """The sampling settings the model's own files recommend (``temperature``, ``top_p``,
+    ``top_k``): a Hugging Face folder's ``generation_config.json``, or a GGUF's
+    ``general.sampling.*`` metadata (llama.cpp's keys); ``{}`` when they carry none (the
+    embedded SmolLM2 GGUF carries none).
+
+    Raises:
+        FileNotFoundError: the model cannot be found (see :func:`resolve_model_path`).
+    """
+    path = resolve_model_path(model)
+    if path.is_dir():
+        gen = path / "generation_config.json"
+        config = json.loads(gen.read_text()) if gen.is_file() else {}
+        return {k: config[k] for k in _HF_SAMPLING_KEYS if isinstance(config.get(k), (int, float))}
+    import gguf  # lazy, as in _load_gguf
+
+    reader = gguf.GGUFReader(str(path))
+    found = {name: _gguf_field(reader, key) for key, name in _GGUF_SAMPLING_KEYS.items()}
+    return {name: value for name, value in found.items() if isinstance(value, (int, float))}
+
+
+def load_tokenizer(model: str | os.PathLike | None, *, use_cache: bool = True):
+    """A transformers fast tokenizer (with the chat template) for ``model`` (same forms as
+    :func:`load_model_weights`).
+
+    For a GGUF file transformers builds the tokenizer from the GGUF metadata (slow, seconds);
+    it is saved once under ``cache_dir()/tokenizer/<key>/`` and loaded from there afterwards.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`resolve_model_path`.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    else:
+        folder = cache_dir() / "tokenizer" / _file_cache_key(path)
+        if use_cache and folder.is_dir():
+            return AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if use_cache:
+            _save_tokenizer_atomically(tokenizer, folder)
+    if getattr(tokenizer, "chat_template", None) is None:
+        logger.warning("tokenizer of %s has no chat template", path)
+    return tokenizer
+
+
+def _save_tokenizer_atomically(tokenizer, folder: pathlib.Path) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, folder)  # atomic; fails if another process got there first
+        except OSError:
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

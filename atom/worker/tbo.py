@@ -1,0 +1,146 @@
+"""Two-batch overlap (TBO): one step's batch as two micro-batches whose MoE collectives overlap
+the other micro-batch's compute.
+
+The idea is DeepSeek's (DeepSeek-V3 technical report, arXiv:2412.19437, "dual micro-batch
+overlap"; SGLang's ``two_batch_overlap``): while micro-batch 0's tokens travel to the ranks that
+own their experts, micro-batch 1 runs its attention, and so on, layer after layer.
+
+Each micro-batch's forward is a *program*: a generator that runs the model's stages (from the
+outside: :meth:`LlamaDecoderLayer.attention_stage`, then the MoE layer's ``route`` /
+``experts`` and its dispatcher's ``dispatch_async`` / ``combine_async``) and yields right after
+it starts an async collective. :func:`run_interleaved` resumes the programs round-robin,
+waiting for a program's collective only when it is that program's turn again. Every rank runs
+the same two programs in the same order, so the collectives are issued in the same order
+everywhere: dispatch(mb0, L), dispatch(mb1, L), combine(mb0, L), combine(mb1, L), for L = 0, 1, ...
+
+How a batch is split (:func:`split_batch`): by requests when it has at least two (the token
+counts as even as the request boundaries allow), else a single request's new tokens at their
+midpoint (the second half attends to the first half's KV, written by micro-batch 0's attention
+of the same layer, which always runs first). A rank with an empty (dummy) batch runs two empty
+micro-batches. Whether a step is split is decided by all ranks together (the batch-shape
+exchange), so either every rank splits or none does.
+
+On one CPU, gloo's I/O thread shares the cores with the compute; expect agreement and equal
+results here, not a speed-up (docs/PERFORMANCE.md has the measured effect).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the split rules (split_batch, can_split) run torch-free, in the simulator
+    import torch
+
+    from atom.kernels.attention import AttentionMetadata
+    from atom.core.sequence import Sequence as Seq
+
+
+class Waitable(Protocol):
+    def wait(self) -> None: ...
+
+
+def run_interleaved(programs: Sequence[Iterator[Waitable]]) -> None:
+    """Run micro-batch programs to completion, overlapping each one's collectives with the
+    others' compute (module docstring). A program yields a handle after starting an async
+    collective; it is resumed (after ``handle.wait()``) when its turn comes round again.
+
+    Raises:
+        Whatever a program or a ``wait()`` raises (e.g. CollectiveError); the other programs
+        are then left unfinished.
+    """
+    ready = collections.deque((program, None) for program in programs)
+    while ready:
+        program, handle = ready.popleft()
+        if handle is not None:
+            handle.wait()
+        try:
+            handle = next(program)
+        except StopIteration:
+            continue
+        ready.append((program, handle))
+
+
+class MicroBatch:
+    """One micro-batch's model inputs and, once run, its final hidden states."""
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: AttentionMetadata):
+        self.input_ids = input_ids
+        self.positions = positions
+        self.attn_metadata = attn_metadata
+        self.hidden: torch.Tensor | None = None  # [T, hidden] after the final norm
+
+
+def forward_micro_batches(model, micro_batches: Sequence[MicroBatch]) -> None:
+    """The model's forward on each micro-batch, interleaved; sets each ``hidden``.
+
+    ``model`` is a Llama-family model (:class:`atom.models.llama.LlamaForCausalLM`): embeddings,
+    ``layers`` with ``attention_stage`` and an ``mlp`` (dense or :class:`MoE`), final ``norm``.
+    """
+    run_interleaved([_model_program(model, mb) for mb in micro_batches])
+
+
+def _model_program(model, mb: MicroBatch) -> Iterator[Waitable]:
+    from atom.layers.moe import MoE
+
+    x = model.embed(mb.input_ids)
+    cos = model.rope_cos.index_select(0, mb.positions)
+    sin = model.rope_sin.index_select(0, mb.positions)
+    for layer in model.layers:
+        x, h = layer.attention_stage(x, cos, sin, mb.attn_metadata)
+        mlp = layer.mlp
+        if not isinstance(mlp, MoE) or mlp.dispatcher is None:
+            x = x + mlp(h)
+            continue
+        pending = mlp.dispatcher.dispatch_async(h)
+        yield pending
+        tokens = pending.result()
+        ids, gates = mlp.route(tokens)
+        pending = mlp.dispatcher.combine_async(mlp.experts(tokens, ids, gates))
+        yield pending
+        x = x + pending.result()
+    mb.hidden = model.norm(x)
+
+
+Entry = tuple["Seq", int, int]  # (sequence, first new token's offset past num_computed, count)
+
+
+def split_batch(scheduled: list[tuple[Seq, int]]) -> tuple[list[Entry], list[Entry]]:
+    """Two micro-batches of ``(seq, offset, num_new_tokens)`` entries (module docstring).
+
+    With two or more requests, the cut is the request boundary that best halves the tokens
+    (each side keeps at least one request); with one request of ``n >= 2`` new tokens, the
+    first ``n // 2`` and the rest; an empty batch splits into two empty ones.
+
+    Raises:
+        ValueError: a single request with one new token (nothing to split).
+    """
+    if not scheduled:
+        return [], []
+    if len(scheduled) == 1:
+        seq, n = scheduled[0]
+        if n < 2:
+            raise ValueError("a single one-token entry cannot be split into two micro-batches")
+        return [(seq, 0, n // 2)], [(seq, n // 2, n - n // 2)]
+    total = sum(n for _, n in scheduled)
+    best, running = 1, 0
+    best_gap = None
+    for cut in range(1, len(scheduled)):
+        running += scheduled[cut - 1][1]
+        gap = abs(2 * running - total)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = cut, gap
+    return ([(s, 0, n) for s, n in scheduled[:best]], [(s, 0, n) for s, n in scheduled[best:]])
+
+
+def can_split(scheduled: list[tuple[Seq, int]], *, prefill_only: bool = True) -> bool:
+    """Whether this rank's batch is eligible for TBO: empty (a dummy batch splits trivially),
+    or at least two requests or one request of two or more new tokens — and, with
+    ``prefill_only`` (the default), it computes some prompt tokens."""
+    if not scheduled:
+        return True
+    if prefill_only and not any(seq.is_prefill for seq, _ in scheduled):
+        return False
+    return len(scheduled) >= 2 or scheduled[0][1] >= 2

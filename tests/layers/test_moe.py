@@ -1,0 +1,83 @@
+"""The MoE layer on one rank: the split-MLP model (a) equals the dense MLP, softmax top-k routing
+equals transformers' Mixtral block, sharded experts sum to the whole layer, and a tiny random
+Mixtral (model (b)) generates what transformers generates, with and without two-batch overlap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from atom.layers.moe import MoE, moe_from_dense_mlp
+from tests.moe_utils import assert_logprobs_close, build_tiny_mixtral, tiny_prompts
+from tests.utils import check_greedy_close, hf_greedy, ours_greedy
+
+
+def test_split_mlp_equals_the_dense_mlp():
+    torch.manual_seed(0)
+    hidden, inter = 32, 48
+    gate_up, down = torch.randn(2 * inter, hidden), torch.randn(hidden, inter)
+    x = torch.randn(5, hidden)
+    gate, up = (x @ gate_up.T).split(inter, dim=-1)
+    dense = (torch.nn.functional.silu(gate) * up) @ down.T
+    for num_experts in (1, 4, 6):
+        moe = moe_from_dense_mlp(gate_up, down, num_experts)
+        torch.testing.assert_close(moe(x), dense, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="divisor of 48"):
+        moe_from_dense_mlp(gate_up, down, 5)
+
+
+def _mixtral_block_and_ours():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=40, num_local_experts=6,
+                           num_experts_per_tok=2)
+    block = MixtralSparseMoeBlock(config).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = MoE(hidden_size=32, intermediate_size=40, num_experts=6, top_k=2)
+    ours.router.weight.data.copy_(block.gate.weight)
+    ours.gate_up_proj.data.copy_(block.experts.gate_up_proj)
+    ours.down_proj.data.copy_(block.experts.down_proj)
+    return block, ours
+
+
+@torch.inference_mode()
+def test_softmax_top_k_routing_matches_transformers_mixtral_block():
+    block, ours = _mixtral_block_and_ours()
+    x = torch.randn(9, 32)
+    torch.testing.assert_close(ours(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_sharded_experts_sum_to_the_whole_layer():
+    _, whole = _mixtral_block_and_ours()
+    x = torch.randn(7, 32)
+    ids, gates = whole.route(x)
+    parts = []
+    for start, end in ((0, 2), (2, 6)):
+        _, shard = _mixtral_block_and_ours()
+        shard.shard_experts(start, end)
+        assert shard.num_local_experts == end - start
+        parts.append(shard.experts(x, ids, gates))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not within"):
+        shard.shard_experts(0, 2)
+
+
+@pytest.mark.parametrize("enable_tbo", [False, True], ids=["unsplit", "tbo"])
+def test_tiny_mixtral_matches_transformers(tmp_path, enable_tbo):
+    model = build_tiny_mixtral(tmp_path)
+    prompts = tiny_prompts()
+    reference = hf_greedy(model, prompts, 16)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
+    with LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+             max_model_len=256, enable_tbo=enable_tbo) as llm:
+        batch = ours_greedy(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+        # one prompt alone: with TBO its prefill splits at the token midpoint
+        alone = ours_greedy([llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts])
+    for name, ours in (("batch", batch), ("one at a time", alone)):
+        check_greedy_close(ours, reference, name=f"tiny mixtral, one rank, {name}, tbo={enable_tbo}")
+        assert_logprobs_close(ours, reference)
