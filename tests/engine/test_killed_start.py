@@ -1,7 +1,12 @@
 """Killed starts leave nothing behind (issue 22): a front end SIGKILLed during a kernel build or
 while its engine core loads takes every process it started along, and the next start builds
 (taking over the dead build) instead of waiting for it; two checkouts on one machine never
-rebuild each other's kernels. Real processes on the embedded model."""
+rebuild each other's kernels. Real processes on the embedded model.
+
+One kernel build for the module (a build is most of these tests' time): the killed build and
+its take-over happen in a second checkout (:func:`other_checkout`, its own kernels not built
+yet), whose kernels the two-checkouts test then finds built; run alone, that test builds them.
+"""
 
 from __future__ import annotations
 
@@ -30,9 +35,9 @@ pytestmark = pytest.mark.slow
 class Started:
     """A command whose stderr a thread collects line by line, so tests can wait for a line."""
 
-    def __init__(self, cmd: list[str], *, env: dict[str, str]):
+    def __init__(self, cmd: list[str], *, env: dict[str, str], cwd: str | None = None):
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
         self.lines: list[str] = []
         self._eof = False
         self._changed = threading.Condition()
@@ -71,6 +76,11 @@ class Started:
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, **extra}
+
+
+def _env_without_kernels_dir() -> dict[str, str]:
+    """Our environment without ATOM_KERNELS_DIR: each checkout's kernels under its own venv."""
+    return {k: v for k, v in os.environ.items() if k != "ATOM_KERNELS_DIR"}
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -123,9 +133,21 @@ def _named(tree: list[psutil.Process], *words: str) -> list[psutil.Process]:
     return found
 
 
-def test_sigkill_during_a_kernel_build_leaves_nothing_and_the_next_start_takes_over(tmp_path):
-    env = _env(ATOM_KERNELS_DIR=str(tmp_path / "kernels"))  # nothing built there: forces a build
-    first = Started([ATOM, *GENERATE], env=env)
+@pytest.fixture(scope="module")
+def other_checkout(tmp_path_factory) -> pathlib.Path:
+    """Another version of this checkout, its kernels not built (see :func:`_make_checkout`);
+    returns its python."""
+    return _make_checkout(tmp_path_factory.mktemp("other"), version_note="another version of atom")
+
+
+def test_sigkill_during_a_kernel_build_leaves_nothing_and_the_next_start_takes_over(other_checkout):
+    kernels = other_checkout.parents[1] / "atom-kernels"  # nothing built there: forces a build
+    atom = [str(other_checkout.parent / "atom"), *GENERATE]
+    # cwd "/": its engine core runs `python -m`, which would import the atom/ of the current
+    # folder (this checkout's, when pytest runs from it) before the other checkout's
+    env, cwd = _env_without_kernels_dir(), "/"
+    assert not list(kernels.glob("*/atom_cpu_kernels.so")), "the other checkout's kernels exist"
+    first = Started(atom, env=env, cwd=cwd)
     try:
         first.wait_for_line(BUILD_LINE, START_TIMEOUT_S)
         # the whole tree once the compilers run: front end, engine core, build, ninja, g++
@@ -139,11 +161,11 @@ def test_sigkill_during_a_kernel_build_leaves_nothing_and_the_next_start_takes_o
     finally:
         first.proc.kill()
     # killed, not finished after its front end had gone
-    assert not list((tmp_path / "kernels").glob("*/atom_cpu_kernels.so"))
-    assert list((tmp_path / "kernels").glob("*.tmp-*")), "the killed build left no folder"
+    assert not list(kernels.glob("*/atom_cpu_kernels.so"))
+    assert list(kernels.glob("*.tmp-*")), "the killed build left no folder"
 
     start = time.monotonic()
-    second = Started([ATOM, *GENERATE], env=env)
+    second = Started(atom, env=env, cwd=cwd)
     code, out, err = second.finish(START_TIMEOUT_S)
     took_s = time.monotonic() - start
     assert code == 0, err
@@ -151,7 +173,7 @@ def test_sigkill_during_a_kernel_build_leaves_nothing_and_the_next_start_takes_o
     assert "taking over from pid" in err and err.count(BUILD_LINE) == 1, err
     assert "built atom's CPU kernels in" in err, err
     print(f"second start (with the take-over build) took {took_s:.0f} s")
-    assert not list((tmp_path / "kernels").glob("*.tmp-*"))
+    assert not list(kernels.glob("*.tmp-*"))
 
 
 def test_front_end_killed_while_its_engine_core_loads_leaves_no_core():
@@ -232,9 +254,8 @@ def _make_checkout(dest: pathlib.Path, *, version_note: str) -> pathlib.Path:
 
 def _run_python(python: pathlib.Path | str, *args: str) -> subprocess.CompletedProcess:
     """Run ``python args`` outside any checkout, with no ATOM_KERNELS_DIR; it must succeed."""
-    env = {k: v for k, v in os.environ.items() if k != "ATOM_KERNELS_DIR"}
-    proc = subprocess.run([str(python), *args], capture_output=True, text=True, env=env,
-                          cwd="/", timeout=START_TIMEOUT_S)
+    proc = subprocess.run([str(python), *args], capture_output=True, text=True,
+                          env=_env_without_kernels_dir(), cwd="/", timeout=START_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -246,12 +267,12 @@ _LOAD = ("from atom.kernels import build, cpu_ops\n"
          "print('loaded', build.current().library)\n")
 
 
-def test_two_checkouts_started_alternately_never_rebuild_each_others_kernels(tmp_path):
-    other = _make_checkout(tmp_path / "other", version_note="another version of atom")
-    # set-up: this checkout's kernels exist after `make setup` (at most one build, if not);
-    # the other checkout builds its own once
-    assert _run_python(sys.executable, "-m", "atom.kernels.build").stderr.count(BUILD_LINE) <= 1
-    assert _run_python(other, "-m", "atom.kernels.build").stderr.count(BUILD_LINE) == 1
+def test_two_checkouts_started_alternately_never_rebuild_each_others_kernels(other_checkout):
+    other = other_checkout
+    # set-up: this checkout's kernels exist after `make setup`, the other's after the take-over
+    # test above (at most one build each, if not)
+    for python in (sys.executable, other):
+        assert _run_python(python, "-m", "atom.kernels.build").stderr.count(BUILD_LINE) <= 1
     libraries = []
     for python in (sys.executable, other, sys.executable, other):
         proc = _run_python(python, "-c", _LOAD)
@@ -259,4 +280,4 @@ def test_two_checkouts_started_alternately_never_rebuild_each_others_kernels(tmp
         libraries.append(proc.stdout.split()[-1])
     ours, theirs = libraries[0], libraries[1]
     assert libraries == [ours, theirs, ours, theirs] and ours != theirs
-    assert ours.startswith(sys.prefix) and theirs.startswith(str(tmp_path / "other"))
+    assert ours.startswith(sys.prefix) and theirs.startswith(str(other.parents[2]))
