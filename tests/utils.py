@@ -84,3 +84,36 @@ def launcher_env(**extra: str) -> dict[str, str]:
            if not (k.startswith(("ATOM_", "TORCHELASTIC_")) and k != "ATOM_CACHE_DIR")
            and k not in RANK_CONTRACT_VARS}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def build_tiny_llama(folder, *, vocab_size: int = 512, num_hidden_layers: int = 2,
+                     max_position_embeddings: int = 4096, with_tokenizer: bool = False):
+    """A tiny random Llama built by transformers (fp32, hidden size 64, 4 heads over 2 KV heads),
+    saved to ``folder``; returns the model (eval mode).
+
+    For tests about control flow (scheduling, routing, processes, failures), where the embedded
+    135M model would only add load and forward time (tests/README.md). Initialised with a
+    large scale so greedy is not decided by rounding on flat logits; seeded, so two builds are
+    the same model. ``with_tokenizer``: the embedded model's tokenizer (with its chat template)
+    is saved beside it and ``vocab_size`` is the tokenizer's, for tests that send text.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bos_token_id, eos_token_id = 1, 2
+    if with_tokenizer:
+        from atom.worker.model_loader import load_tokenizer
+
+        tokenizer = load_tokenizer(None)
+        tokenizer.save_pretrained(str(folder))
+        vocab_size = len(tokenizer)
+        bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1
+        eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                         initializer_range=0.2, tie_word_embeddings=False,
+                         bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    return model

@@ -1,9 +1,11 @@
-"""Cache- and session-aware DP routing on 2 real ranks (embedded model, fp32): multi-turn
+"""Cache- and session-aware DP routing on 2 real ranks (a tiny random Llama, fp32): multi-turn
 sessions against round robin, a group of identical prompts, the load guard, and the router's
 KV index against each rank's block manager after evictions, with a forced gap healed by replay.
 
 One cache_aware LLM for the module (its ranks publish KV events on private loopback ports, the
-DP client subscribes); the round-robin baseline runs on it too, its ranks pinned by hints.
+DP client subscribes); the round-robin baseline runs on it too, its ranks pinned by hints. What
+is checked is routing and the KV cache, whatever the model computes: a tiny model keeps the
+~30,000 prompt tokens of the session test cheap.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from atom.dp.router import DPRouter
 from atom.kv_events import BlockRemoved
 from atom.engine.kv_subscriber import wire_block_hashes
 from tests.engine.test_kv_subscriber import RecordingSubscriber
+from tests.utils import build_tiny_llama
 
 
 BLOCK_SIZE = 16
@@ -31,15 +34,21 @@ ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 DEADLINE_S = 60.0  # liveness: generous on 2 shared cores
 
 
+VOCAB_SIZE = 40_000
+
+
 @pytest.fixture(scope="module")
-def llm():
-    llm = LLM(data_parallel_size=2, dp_load_balance="cache_aware", **OPTIONS)
+def llm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_llama(folder, vocab_size=VOCAB_SIZE)
+    llm = LLM(str(folder), data_parallel_size=2, dp_load_balance="cache_aware",
+              skip_tokenizer_init=True, **OPTIONS)
     yield llm
     llm.shutdown()
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 40_000) for _ in range(n)]
+    return [rng.randrange(100, VOCAB_SIZE) for _ in range(n)]
 
 
 def decisions(llm: LLM) -> list[dict[str, int]]:
