@@ -181,19 +181,8 @@ def test_n3_gives_three_reproducible_continuations_sharing_prefix_blocks(llm):
 
 # ----- logprobs against transformers -----
 
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    from atom.worker.embedded_model import ensure_embedded_gguf
-
-    path = ensure_embedded_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
-
-
-def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf_model):
+def test_logprobs_and_prompt_logprobs_match_transformers(llm, embedded_hf_model):
+    hf_model = embedded_hf_model
     prompt = _chat_ids(llm, "What is the capital of Italy?")
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=5)
     (out,) = llm.generate({"prompt_token_ids": prompt}, params)

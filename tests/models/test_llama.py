@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from atom.worker.embedded_model import ensure_embedded_gguf
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
 from atom.sampling_params import SamplingParams
@@ -112,19 +111,12 @@ def smol_runner():
                        block_size=BLOCK_SIZE, max_model_len=512)
 
 
-@pytest.fixture(scope="module")
-def smol_hf():
-    path = ensure_embedded_gguf()
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def test_smollm2_prefill_and_decode_match_transformers(smol_runner, embedded_hf_model):
+    _check_prefill_then_decode(smol_runner, embedded_hf_model, _random_tokens(37, 49152, seed=0))
 
 
-def test_smollm2_prefill_and_decode_match_transformers(smol_runner, smol_hf):
-    _check_prefill_then_decode(smol_runner, smol_hf, _random_tokens(37, 49152, seed=0))
-
-
-def test_smollm2_chunked_prefill_in_mixed_batch_matches_transformers(smol_runner, smol_hf):
-    _check_chunked_mixed_batch(smol_runner, smol_hf, 49152)
+def test_smollm2_chunked_prefill_in_mixed_batch_matches_transformers(smol_runner, embedded_hf_model):
+    _check_chunked_mixed_batch(smol_runner, embedded_hf_model, 49152)
 
 
 def test_empty_step_and_padding_write_no_kv(smol_runner):
@@ -210,7 +202,7 @@ def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tm
     _check_chunked_mixed_batch(runner, hf_model, 256)
 
 
-def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(smol_hf):
+def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(embedded_hf_model):
     """bf16 rounds differently from transformers' bf16 (fused GEMMs), so compare error sizes:
     our bf16 logits must be about as far from the fp32 reference as transformers' bf16 are."""
     import copy
@@ -223,8 +215,8 @@ def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(smol_hf):
     BlockPool().grow(seq, len(prompt))
     out = runner.execute_model([(seq, len(prompt))])
     ours = torch.cat([out.prompt_logits[seq.seq_id], out.logits])
-    ref_fp32 = _hf_logits(smol_hf, prompt)
-    ref_bf16 = _hf_logits(copy.deepcopy(smol_hf).to(torch.bfloat16), prompt)
+    ref_fp32 = _hf_logits(embedded_hf_model, prompt)
+    ref_bf16 = _hf_logits(copy.deepcopy(embedded_hf_model).to(torch.bfloat16), prompt)
     our_err = (ours - ref_fp32).abs().mean().item()
     hf_err = (ref_bf16 - ref_fp32).abs().mean().item()
     # Both are bf16 noise (~0.1-0.2 on logits of magnitude ~30) that varies by prompt, with
