@@ -42,8 +42,10 @@ run: setup
 	$(PY) -m atom.entrypoints.demo
 
 # xdist (-n 2 --dist loadfile: whole files per worker) comes from addopts in pyproject.toml.
+# PYTEST_ARGS: more pytest options, e.g. `make test PYTEST_ARGS="--durations=15"` (.ci/run).
+PYTEST_ARGS ?=
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
