@@ -8,6 +8,13 @@ import pytest
 # that spin at barriers would burn the time slices their descheduled peers need (atom's default
 # is a short spin, right for a machine the engine has to itself). Child processes inherit this.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One torch thread per process, for the same reason: an engine's default (the cores it may run
+# on, right for a machine it has to itself) puts two threads in every OpenMP team while the two
+# workers and their engines already keep both cores busy, and a team waits at each barrier for
+# its descheduled thread (test_llm_parity: 345 s with two threads, 127 s with one, on a loaded
+# machine). A test that needs another count sets it (``num_threads``, ``torch.set_num_threads``
+# or its own environment).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
