@@ -2,10 +2,14 @@
 
 A :class:`MoE` layer replaces a dense MLP: a router (linear ``[E, hidden]``) scores every token,
 the top-k experts are chosen, and each chosen expert (a SiLU-gated MLP) contributes its output
-times its gate. Gates: ``"softmax"`` — softmax over all experts in float32, top-k, renormalized
-over the k (Mixtral, Mistral AI 2024, arXiv:2401.04088; Qwen-MoE with ``norm_topk_prob``), or
-``"unit"`` — every chosen expert weighs 1 (model (a) of docs/ARCHITECTURE.md: a dense MLP split along its
-intermediate dimension, every token to all experts, which sums back to the dense MLP).
+times its gate. Routing functions (small, tested one by one in tests/layers/test_moe.py):
+
+- :func:`softmax_topk`: softmax over all experts in float32, top-k, renormalized over the k when
+  ``renormalize`` (Mixtral, Mistral AI 2024, arXiv:2401.04088: always; Qwen3-MoE: iff its
+  config's ``norm_topk_prob``);
+- :func:`unit_routing`: every token to the first k experts with gate 1 (model (a) of
+  docs/ARCHITECTURE.md: a dense MLP split along its intermediate dimension, every token to all
+  experts, which sums back to the dense MLP).
 
 The forward is four stages, so an executor can interleave them across micro-batches
 (:mod:`atom.worker.tbo`, which uses the ``*_async`` forms of dispatch and combine)::
@@ -15,14 +19,20 @@ The forward is four stages, so an executor can interleave them across micro-batc
     partial = self.experts(tokens, ids, gates)  # this rank's experts only
     y = self.combine(partial)           # sum over ranks, back to this rank's tokens
 
-On one rank ``dispatch`` and ``combine`` are the identity and every expert is local. Expert
-parallelism (:func:`atom.dp.expert_parallel.apply_expert_parallel`) keeps only a slice of the
-experts on each rank and installs a :class:`Dispatcher` that moves tokens between ranks; the
-model code has no expert-parallel branches.
+(:meth:`MoE.forward_overlapped` is that sequence as a generator that yields at each collective.)
+
+On one rank ``dispatch`` and ``combine`` are the identity and every expert is local. Under expert
+parallelism each rank holds only its slice of the experts (:func:`expert_range`): built so at load
+(:class:`ExpertShard`; :func:`load_expert_weights` reads only that slice of the checkpoint, in
+either layout), or cut later by :meth:`MoE.shard_experts`; and
+:func:`atom.dp.expert_parallel.apply_expert_parallel` installs a :class:`Dispatcher` that moves
+tokens between ranks. The model code has no expert-parallel branches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -57,6 +67,63 @@ class Dispatcher(Protocol):
         """:meth:`combine` with its collective left in flight (two-batch overlap)."""
 
 
+# ----- routing -----
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, *,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, then the top-k; the k gates renormalized to sum to
+    1 when ``renormalize`` (Mixtral always; Qwen3-MoE iff ``norm_topk_prob``, Hugging Face's
+    ``Qwen3MoeTopKRouter``).
+
+    Args:
+        router_logits: ``[N, E]``, any float dtype.
+    Returns:
+        (expert ids int64 ``[N, k]``, gates float32 ``[N, k]``), highest gate first.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    gates, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return ids, gates
+
+
+def unit_routing(num_tokens: int, top_k: int, *,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token to experts ``0 .. k-1`` with gate 1 (model (a): a dense MLP split into
+    experts): (ids int64 ``[N, k]``, gates float32 ``[N, k]``)."""
+    ids = torch.arange(top_k, device=device).expand(num_tokens, top_k)
+    return ids, torch.ones(num_tokens, top_k, device=device)
+
+
+# ----- expert parallelism: which experts a rank holds -----
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The experts ``[start, end)`` rank ``rank`` owns: contiguous, sizes differing by ≤ 1.
+
+    Raises:
+        ValueError: fewer experts than ranks (a rank would own none).
+    """
+    if num_experts < world_size:
+        raise ValueError(f"{num_experts} experts cannot be sharded over {world_size} ranks: "
+                         f"need at least one expert per rank")
+    return rank * num_experts // world_size, (rank + 1) * num_experts // world_size
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's share of every MoE layer's experts under expert parallelism: rank ``rank``
+    of ``world_size`` (the DP ranks) holds :func:`expert_range` of each layer's experts, and
+    only those are read from the checkpoint."""
+
+    rank: int
+    world_size: int
+
+    def range(self, num_experts: int) -> tuple[int, int]:
+        return expert_range(num_experts, self.rank, self.world_size)
+
+
 class MoE(nn.Module):
     """Top-k mixture of SiLU-gated experts.
 
@@ -64,7 +131,9 @@ class MoE(nn.Module):
         hidden_size, intermediate_size: per expert (``intermediate_size`` of one expert).
         num_experts: E, experts of the whole model.
         top_k: experts per token (``top_k == num_experts`` with unit gates: all of them).
-        gate_mode: ``"softmax"`` or ``"unit"`` (module docstring).
+        gate_mode: ``"softmax"`` (:func:`softmax_topk`) or ``"unit"`` (:func:`unit_routing`).
+        renormalize: with ``"softmax"``, renormalize the k gates (:func:`softmax_topk`).
+        expert_shard: hold only this rank's experts (expert parallelism); None = all.
 
     Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates),
     ``gate_up_proj`` ``[E_local, 2 * intermediate, hidden]`` (gate rows first, then up),
@@ -72,11 +141,13 @@ class MoE(nn.Module):
     ``[expert_start, expert_start + E_local)``.
 
     Raises:
-        ValueError: ``top_k`` outside ``[1, num_experts]`` or an unknown ``gate_mode``.
+        ValueError: ``top_k`` outside ``[1, num_experts]``, an unknown ``gate_mode``, or fewer
+            experts than ranks.
     """
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, gate_mode: str = "softmax") -> None:
+                 top_k: int, gate_mode: str = "softmax", renormalize: bool = True,
+                 expert_shard: ExpertShard | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -87,13 +158,15 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.gate_mode = gate_mode
+        self.renormalize = renormalize
         self.router = (nn.Linear(hidden_size, num_experts, bias=False) if gate_mode == "softmax"
                        else None)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+        start, end = (0, num_experts) if expert_shard is None else expert_shard.range(num_experts)
+        self.gate_up_proj = nn.Parameter(torch.empty(end - start, 2 * intermediate_size,
                                                      hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+        self.down_proj = nn.Parameter(torch.empty(end - start, hidden_size, intermediate_size),
                                       requires_grad=False)
-        self.expert_start = 0
+        self.expert_start = start
         self.dispatcher: Dispatcher | None = None
 
     @property
@@ -106,6 +179,21 @@ class MoE(nn.Module):
         ids, gates = self.route(tokens)
         return self.combine(self.experts(tokens, ids, gates))
 
+    def forward_overlapped(self, x: torch.Tensor) -> Iterator[Pending]:
+        """:meth:`forward` as a generator for two-batch overlap (:mod:`atom.worker.tbo`): it
+        yields right after starting each collective (dispatch, combine) and returns the output
+        ``[T, hidden]`` (``y = yield from moe.forward_overlapped(x)``). Without a dispatcher it
+        yields nothing."""
+        if self.dispatcher is None:
+            return self(x)
+        pending = self.dispatcher.dispatch_async(x)
+        yield pending
+        tokens = pending.result()
+        ids, gates = self.route(tokens)
+        pending = self.dispatcher.combine_async(self.experts(tokens, ids, gates))
+        yield pending
+        return pending.result()
+
     # ----- stages -----
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,13 +204,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[N, hidden]`` → (expert ids int64 ``[N, k]``, gates float32 ``[N, k]``)."""
-        n = x.shape[0]
         if self.gate_mode == "unit":
-            ids = torch.arange(self.top_k, device=x.device).expand(n, self.top_k)
-            return ids, torch.ones(n, self.top_k, device=x.device)
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        gates, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, gates / gates.sum(dim=-1, keepdim=True)
+            return unit_routing(x.shape[0], self.top_k, device=x.device)
+        return softmax_topk(self.router(x), self.top_k, renormalize=self.renormalize)
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """The local experts' gated outputs for ``x`` ``[N, hidden]`` (zeros where a token chose
@@ -139,7 +223,8 @@ class MoE(nn.Module):
         return out
 
     def shard_experts(self, start: int, end: int) -> None:
-        """Keep only experts ``[start, end)`` (expert parallelism); frees the others.
+        """Keep only experts ``[start, end)`` (expert parallelism); frees the others. A no-op
+        when the layer already holds exactly those (sharded at load).
 
         Raises:
             ValueError: the range is empty or outside this layer's experts.
@@ -148,6 +233,8 @@ class MoE(nn.Module):
             raise ValueError(f"experts [{start}, {end}) are not within this layer's local "
                              f"experts [{self.expert_start}, "
                              f"{self.expert_start + self.num_local_experts})")
+        if (start, end) == (self.expert_start, self.expert_start + self.num_local_experts):
+            return
         lo, hi = start - self.expert_start, end - self.expert_start
         self.gate_up_proj = nn.Parameter(self.gate_up_proj[lo:hi].clone(), requires_grad=False)
         self.down_proj = nn.Parameter(self.down_proj[lo:hi].clone(), requires_grad=False)
@@ -188,7 +275,7 @@ def split_mlps_into_experts(model: nn.Module, num_experts: int) -> None:
         ValueError: the model has no dense MLPs, or see :func:`moe_from_dense_mlp`.
     """
     layers = getattr(model, "layers", [])
-    if not layers or isinstance(layers[0].mlp, MoE):
+    if not layers or any(isinstance(layer.mlp, MoE) for layer in layers):
         raise ValueError("--moe-split-experts needs a dense model (Llama-style MLPs)")
     for layer in layers:
         layer.mlp = moe_from_dense_mlp(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,

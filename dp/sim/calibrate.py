@@ -148,6 +148,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
     points instead of skewing one), the median per point. Returns one dict per point and the
     model's facts (KV bytes per token, context length, experts)."""
     from atom.engine.core import EngineCore
+    from atom.layers.moe import moe_layers
 
     core = EngineCore(dataclasses.replace(
         config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,
@@ -165,7 +166,9 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         facts = {"kv_cache_bytes_per_token": core.runtime.kv_cache_bytes
                  // (core.runtime.num_kv_blocks * config.block_size),
                  "max_position_embeddings": core.runner.arch_config.max_position_embeddings,
-                 "num_experts": config.moe_split_experts}
+                 "num_experts": max((m.num_experts for m in moe_layers(core.runner.model)),
+                                    default=None),
+                 "architecture": core.runner.arch_config.architecture}
     finally:
         timer.remove()
         core.close()

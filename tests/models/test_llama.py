@@ -197,7 +197,7 @@ def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tm
     from atom.kernels import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
-    monkeypatch.setattr("atom.models.llama.pack_weight", lambda weight: None)
+    monkeypatch.setattr("atom.layers.linear.pack_weight", lambda weight: None)
     _, hf_config = _tiny_llama_config_and_hf(tie=True)
     torch.manual_seed(0)
     hf_model = LlamaForCausalLM(hf_config).eval()
