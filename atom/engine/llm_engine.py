@@ -89,16 +89,19 @@ class LLMEngine:
             pass the DP client's factory.
 
     Raises:
-        ValueError: invalid options, a model that cannot be loaded, or
-            ``data_parallel_size > 1`` without a ``client_factory``.
+        ValueError: invalid options, an unsupported architecture (before any engine-core process
+            starts: :func:`atom.worker.model_loader.check_model_supported`), a model that
+            cannot be loaded, or ``data_parallel_size > 1`` without a ``client_factory``.
         RuntimeError: an engine-core process failed to start.
     """
 
     def __init__(self, config: EngineConfig, *,
                  client_factory: Callable[[EngineConfig, tuple[int, ...]], EngineCoreClient]
                  | None = None):
-        from atom.worker.model_loader import load_tokenizer
+        from atom.worker.model_loader import check_model_supported, load_tokenizer
 
+        # an unsupported architecture fails here, in one line, before any process starts
+        check_model_supported(config.model)
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         # The core has no tokenizer: the tokenizer's EOS id travels to it from here.

@@ -20,6 +20,9 @@ stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
   ``atom bench serve ...``: the serving benchmark (:mod:`atom.benchmarks.serving`);
   ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.benchmarks.multinode`).
 - ``atom sim run | sweep | calibrate | workload``: the DP/EP simulator (:mod:`atom.dp.sim.cli`).
+- ``atom models``: the supported architectures (:data:`atom.models.MODEL_REGISTRY`) and how to
+  serve a Hugging Face folder of one. An engine command given a model of another architecture
+  stops in one line before it starts any process.
 
 Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
 ``--num-kv-blocks``, ...), generated from :class:`atom.config.EngineConfig`. ``--seed`` seeds the
@@ -163,6 +166,18 @@ def _chat_turn(llm, conversation: list[dict], params: SamplingParams) -> str | N
     return "".join(reply)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from atom.models import MODEL_REGISTRY
+
+    width = max(len(name) for name in MODEL_REGISTRY)
+    print(f"{'architecture':<{width}}  {'model file':<22}  covers")
+    for name, entry in sorted(MODEL_REGISTRY.items()):
+        print(f"{name:<{width}}  {'atom/models/' + entry.module + '.py':<22}  {entry.description}")
+    print("\nServe a Hugging Face folder (config.json with one of these architectures, "
+          "*.safetensors, tokenizer files):\n  atom serve --model /path/to/folder")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from atom.benchmarks import offline as bench
 
@@ -209,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     from atom.dp.sim.cli import add_sim_parser
 
     add_sim_parser(sub, fmt)
+    models = sub.add_parser("models", help="list the supported model architectures")
+    models.set_defaults(func=cmd_models)
     return parser
 
 
@@ -228,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     as_rank = rank_env_present() and args.runs_engine
     try:
+        if args.runs_engine:  # an unsupported model stops here, before any process starts
+            from atom.worker.model_loader import check_model_supported
+
+            check_model_supported(args.model)
         if as_rank:  # under atom launch / torchrun (see atom.entrypoints.launched)
             args.data_parallel_size = launched.launched_data_parallel_size(args.data_parallel_size)
             if not launched.is_front_end():
