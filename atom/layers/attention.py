@@ -73,7 +73,8 @@ class Attention(nn.Module):
 
     def _norm_heads_(self, qkv: torch.Tensor) -> None:
         """RMSNorm every query and key head of the fused projection in place (QK-norm)."""
-        rows, d = qkv.shape[0], self.head_dim
+        rows = qkv.shape[0]  # 0 in a dummy batch: no -1 next to it
         for norm, part in ((self.q_norm, qkv[:, :self.q_size]),
                            (self.k_norm, qkv[:, self.q_size:self.q_size + self.kv_size])):
-            part.copy_(norm(part.reshape(-1, d)).view(rows, -1))
+            heads = part.reshape(-1, self.head_dim)
+            part.copy_(norm(heads).view(rows, part.shape[1]))

@@ -60,6 +60,9 @@ def test_runner_logits_match_transformers(family):
     assert layers[0].self_attn.q_norm is not None and layers[0].self_attn.head_dim == 24
     if hf_model.config.model_type == "qwen3_moe":  # layer 1 is in mlp_only_layers
         assert [isinstance(layer.mlp, MoE) for layer in layers] == [True, False, True]
+    for num_padding_tokens in (0, 3):  # a DP dummy batch: no token, or padding only
+        out = runner.execute_model([], num_padding_tokens=num_padding_tokens)
+        assert out.logits.shape == (0, 512)
     check_prefill_then_decode(runner, hf_model, random_tokens(23, 512, seed=5))
     check_chunked_mixed_batch(runner, hf_model, 512)
 
