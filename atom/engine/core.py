@@ -149,7 +149,8 @@ class EngineCore:
         del weights, blocks  # the model holds its own copies (or none: tiled GGUF linears)
         if config.enable_expert_parallel and not self.is_moe:
             raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
-                             "Mixtral folder) or split a dense one with --moe-split-experts E")
+                             "Qwen3-MoE or Mixtral folder) or split a dense one with "
+                             "--moe-split-experts E")
         eos = tuple(sorted(set(arch.eos_token_ids) | set(extra_eos_token_ids)))
         self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                      vocab_size=arch.vocab_size, eos_token_ids=eos,

@@ -28,7 +28,6 @@ class MixtralForCausalLM(DecoderForCausalLM):
     """Mixtral: :class:`~atom.layers.decoder.DecoderForCausalLM` with :class:`~atom.layers.moe.MoE`
     MLPs."""
 
-    family_config_class = MixtralConfig
     expert_names = ExpertNames(module="block_sparse_moe.", gate="w1", up="w3", down="w2")
 
     @classmethod

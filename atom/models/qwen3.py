@@ -80,7 +80,6 @@ def is_sparse_layer(layer_idx: int, *, num_experts: int, decoder_sparse_step: in
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE: Qwen3 with :class:`~atom.layers.moe.MoE` MLPs in its sparse layers."""
 
-    family_config_class = Qwen3MoeConfig
     expert_names = ExpertNames()  # mlp.experts.{e}.gate_proj / up_proj / down_proj, mlp.gate
 
     @classmethod

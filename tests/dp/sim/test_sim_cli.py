@@ -80,7 +80,7 @@ def test_calibration_grid_on_the_real_model_runner():
     measurements, facts = measure_grid(EngineConfig(dtype="float32", num_threads=1),
                                        repeats=1, grid=grid)
     assert facts == {"kv_cache_bytes_per_token": 46080, "max_position_embeddings": 8192,
-                     "num_experts": None}
+                     "num_experts": None, "architecture": "LlamaForCausalLM"}
     assert [m["point"] for m in measurements] == grid
     assert all(m["seconds"] > 0 and 0 <= m["mlp_seconds"] < m["seconds"] for m in measurements)
     assert [len(m["micro_batches"]) for m in measurements] == [1, 1, 2, 1]
