@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from atom.layers.linear import Linear
+from atom.layers.mlp import GatedMLP
 
 GATE_MODES = ("softmax", "unit")
 
@@ -135,10 +137,11 @@ class MoE(nn.Module):
         renormalize: with ``"softmax"``, renormalize the k gates (:func:`softmax_topk`).
         expert_shard: hold only this rank's experts (expert parallelism); None = all.
 
-    Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates),
-    ``gate_up_proj`` ``[E_local, 2 * intermediate, hidden]`` (gate rows first, then up),
-    ``down_proj`` ``[E_local, hidden, intermediate]``; local experts are
-    ``[expert_start, expert_start + E_local)``.
+    Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates) and one
+    :class:`~atom.layers.mlp.GatedMLP` per local expert, ``local_experts[i]`` being expert
+    ``expert_start + i`` (``gate_up_proj.weight`` ``[2 * intermediate, hidden]``, gate rows
+    first, then up; ``down_proj.weight`` ``[hidden, intermediate]``): so every expert's linears
+    are packed for oneDNN like the dense ones and run the fused SiLU-and-mul.
 
     Raises:
         ValueError: ``top_k`` outside ``[1, num_experts]``, an unknown ``gate_mode``, or fewer
@@ -159,19 +162,31 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.gate_mode = gate_mode
         self.renormalize = renormalize
-        self.router = (nn.Linear(hidden_size, num_experts, bias=False) if gate_mode == "softmax"
-                       else None)
+        self.router = Linear(hidden_size, num_experts) if gate_mode == "softmax" else None
         start, end = (0, num_experts) if expert_shard is None else expert_shard.range(num_experts)
-        self.gate_up_proj = nn.Parameter(torch.empty(end - start, 2 * intermediate_size,
-                                                     hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(end - start, hidden_size, intermediate_size),
-                                      requires_grad=False)
+        self.local_experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size)
+                                           for _ in range(start, end))
         self.expert_start = start
         self.dispatcher: Dispatcher | None = None
 
     @property
     def num_local_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
+        return len(self.local_experts)
+
+    def set_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy the local experts' weights in: ``gate_up`` ``[E_local, 2 * intermediate,
+        hidden]``, ``down`` ``[E_local, hidden, intermediate]`` (transformers v5's fused layout,
+        cut to this rank's experts).
+
+        Raises:
+            ValueError: the shapes do not match the local experts.
+        """
+        if gate_up.shape[0] != self.num_local_experts or down.shape[0] != self.num_local_experts:
+            raise ValueError(f"{gate_up.shape[0]} / {down.shape[0]} experts' weights for "
+                             f"{self.num_local_experts} local experts")
+        for expert, gu, d in zip(self.local_experts, gate_up, down):
+            expert.gate_up_proj.weight.data.copy_(gu)
+            expert.down_proj.weight.data.copy_(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` → ``[T, hidden]``, same dtype."""
@@ -209,18 +224,32 @@ class MoE(nn.Module):
         return softmax_topk(self.router(x), self.top_k, renormalize=self.renormalize)
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """The local experts' gated outputs for ``x`` ``[N, hidden]`` (zeros where a token chose
-        no local expert); ``[N, hidden]`` in x's dtype."""
-        out = torch.zeros_like(x)
-        for local in range(self.num_local_experts):
-            token_idx, slot = torch.where(ids == self.expert_start + local)
-            if token_idx.numel() == 0:
-                continue
-            h = x.index_select(0, token_idx)
-            gate, up = F.linear(h, self.gate_up_proj[local]).split(self.intermediate_size, -1)
-            h = F.linear(F.silu(gate) * up, self.down_proj[local])
-            out.index_add_(0, token_idx, h * gates[token_idx, slot, None].to(h.dtype))
-        return out
+        """The local experts' gated outputs for ``x`` ``[N, hidden]``, summed per token (zeros
+        where a token chose no local expert); ``[N, hidden]`` in x's dtype.
+
+        The ``N * k`` (token, expert) pairs are sorted by expert once, so each expert with work
+        runs on one contiguous slice of gathered rows (three ops: its fused gate/up GEMM,
+        SiLU-and-mul, down GEMM), and the weighted outputs go back to their pairs with one
+        ``index_copy_`` and are summed over the k slots (no per-expert scatter-add)."""
+        n, k = ids.shape
+        out = x.new_zeros(n * k, x.shape[1])
+        local = (ids - self.expert_start).flatten()
+        num_local = self.num_local_experts
+        mine = (local >= 0) & (local < num_local)
+        counts = torch.bincount(local[mine], minlength=num_local).tolist()
+        num_pairs = sum(counts)
+        if num_pairs:
+            # the pairs of local experts first, grouped by expert; the others after them
+            pairs = torch.argsort(torch.where(mine, local, num_local), stable=True)[:num_pairs]
+            rows = x.index_select(0, pairs // k)
+            outputs, start = [], 0
+            for expert, count in zip(self.local_experts, counts):
+                if count:
+                    outputs.append(expert(rows[start:start + count]))
+                    start += count
+            weighted = torch.cat(outputs) * gates.flatten()[pairs, None].to(x.dtype)
+            out.index_copy_(0, pairs, weighted)
+        return out.view(n, k, x.shape[1]).sum(dim=1)
 
     def shard_experts(self, start: int, end: int) -> None:
         """Keep only experts ``[start, end)`` (expert parallelism); frees the others. A no-op
@@ -233,11 +262,8 @@ class MoE(nn.Module):
             raise ValueError(f"experts [{start}, {end}) are not within this layer's local "
                              f"experts [{self.expert_start}, "
                              f"{self.expert_start + self.num_local_experts})")
-        if (start, end) == (self.expert_start, self.expert_start + self.num_local_experts):
-            return
         lo, hi = start - self.expert_start, end - self.expert_start
-        self.gate_up_proj = nn.Parameter(self.gate_up_proj[lo:hi].clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(self.down_proj[lo:hi].clone(), requires_grad=False)
+        self.local_experts = self.local_experts[lo:hi]
         self.expert_start = start
 
 
@@ -262,9 +288,9 @@ def moe_from_dense_mlp(gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
     moe = MoE(hidden_size=hidden, intermediate_size=size, num_experts=num_experts,
               top_k=num_experts, gate_mode="unit").to(down_weight.dtype)
     gate, up = gate_up_weight.split(intermediate, dim=0)
-    moe.gate_up_proj.data = torch.cat([gate.view(num_experts, size, hidden),
-                                       up.view(num_experts, size, hidden)], dim=1).contiguous()
-    moe.down_proj.data = down_weight.view(hidden, num_experts, size).permute(1, 0, 2).contiguous()
+    moe.set_expert_weights(torch.cat([gate.view(num_experts, size, hidden),
+                                      up.view(num_experts, size, hidden)], dim=1),
+                           down_weight.view(hidden, num_experts, size).permute(1, 0, 2))
     return moe
 
 

@@ -103,27 +103,33 @@ def read_experts(reader: CheckpointReader, prefix: str, names: ExpertNames, *,
         prefix: the layer's checkpoint prefix, e.g. ``"model.layers.3."``.
         num_experts: E, the layer's experts (the other ranks' are skipped, not read).
     Returns:
-        ``{"router.weight": [E, H], "gate_up_proj": [end - start, 2 I, H],
-        "down_proj": [end - start, H, I]}`` (:class:`atom.layers.moe.MoE`'s parameter names).
+        :class:`atom.layers.moe.MoE`'s parameter names → tensors: ``router.weight`` ``[E, H]``,
+        and for local expert ``i`` (expert ``start + i``) ``local_experts.{i}.gate_up_proj.weight``
+        ``[2 I, H]`` (gate rows, then up) and ``local_experts.{i}.down_proj.weight`` ``[H, I]``.
     Raises:
         ValueError: a tensor of the layout found is missing.
     """
+    out: dict[str, torch.Tensor] = {}
     if prefix + _FUSED_GATE_UP in reader:
-        return {"router.weight": reader.take(prefix + _FUSED_ROUTER),
-                "gate_up_proj": reader.take_rows(prefix + _FUSED_GATE_UP, start, end),
-                "down_proj": reader.take_rows(prefix + _FUSED_DOWN, start, end)}
+        out["router.weight"] = reader.take(prefix + _FUSED_ROUTER)
+        gate_up = reader.take_rows(prefix + _FUSED_GATE_UP, start, end)
+        down = reader.take_rows(prefix + _FUSED_DOWN, start, end)
+        for i in range(end - start):
+            out[f"local_experts.{i}.gate_up_proj.weight"] = gate_up[i]
+            out[f"local_experts.{i}.down_proj.weight"] = down[i]
+        return out
     base = f"{prefix}{names.module}experts."
-    gate_up, down = [], []
+    out["router.weight"] = reader.take(f"{prefix}{names.module}{names.router}.weight")
     for e in range(num_experts):
         expert = [f"{base}{e}.{n}.weight" for n in (names.gate, names.up, names.down)]
         if not start <= e < end:
             for name in expert:
                 reader.skip(name)
             continue
-        gate_up.append(torch.cat([reader.take(expert[0]), reader.take(expert[1])]))
-        down.append(reader.take(expert[2]))
-    return {"router.weight": reader.take(f"{prefix}{names.module}{names.router}.weight"),
-            "gate_up_proj": torch.stack(gate_up), "down_proj": torch.stack(down)}
+        out[f"local_experts.{e - start}.gate_up_proj.weight"] = torch.cat(
+            [reader.take(expert[0]), reader.take(expert[1])])
+        out[f"local_experts.{e - start}.down_proj.weight"] = reader.take(expert[2])
+    return out
 
 
 def concat(reader: CheckpointReader, names: Iterable[str]) -> torch.Tensor:

@@ -42,8 +42,7 @@ def _mixtral_block_and_ours():
         torch.nn.init.normal_(p, std=0.3)
     ours = MoE(hidden_size=32, intermediate_size=40, num_experts=6, top_k=2)
     ours.router.weight.data.copy_(block.gate.weight)
-    ours.gate_up_proj.data.copy_(block.experts.gate_up_proj)
-    ours.down_proj.data.copy_(block.experts.down_proj)
+    ours.set_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
     return block, ours
 
 
@@ -115,8 +114,8 @@ def test_moe_layer_matches_transformers_qwen3_moe_block(norm_topk_prob):
                    renormalize=norm_topk_prob, expert_shard=ExpertShard(rank, 2))
         start, end = expert_range(6, rank, 2)
         ours.router.weight.data.copy_(block.gate.weight)
-        ours.gate_up_proj.data.copy_(block.experts.gate_up_proj[start:end])
-        ours.down_proj.data.copy_(block.experts.down_proj[start:end])
+        ours.set_expert_weights(block.experts.gate_up_proj[start:end],
+                                block.experts.down_proj[start:end])
         ids, gates = ours.route(x)
         whole += ours.experts(x, ids, gates)
     torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)

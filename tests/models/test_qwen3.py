@@ -26,6 +26,7 @@ import torch
 from atom import LLM, SamplingParams
 from atom.kv_cache_spec import KVCacheSpec
 from atom.layers.moe import ExpertShard, MoE
+from atom.models import get_model_class
 from atom.models.qwen3 import is_sparse_layer
 from atom.worker.checkpoint import Checkpoint
 from atom.worker.model_loader import load_model_weights
@@ -160,9 +161,10 @@ def test_both_expert_layouts_load_the_same_model(tmp_path, builder):
     else:
         hf_model = build_tiny_qwen3(per_expert)
     save_fused_layout(hf_model, fused)
-    a, b = _runner(per_expert), _runner(fused)
-    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+    for (name, pa), (_, pb) in zip(_model(per_expert).named_parameters(),
+                                   _model(fused).named_parameters()):
         assert torch.equal(pa, pb), name
+    a, b = _runner(per_expert), _runner(fused)
     prompt = random_tokens(30, 512, seed=9)
     outs = []
     for runner in (a, b):
@@ -172,16 +174,15 @@ def test_both_expert_layouts_load_the_same_model(tmp_path, builder):
     assert torch.equal(outs[0], outs[1])
 
     # an expert-parallel rank (1 of 2: experts 4-7 of 8) reads only its own experts
+    whole = _model(per_expert)
     for folder, layout in ((per_expert, "per_expert"), (fused, "fused")):
-        config, weights = load_model_weights(str(folder), torch.float32)
-        source = CountingCheckpoint(weights)
-        shard = ModelRunner(config, source, dtype=torch.float32, num_kv_blocks=4,
-                            block_size=BLOCK_SIZE, max_model_len=64,
-                            expert_shard=ExpertShard(rank=1, world_size=2))
-        for whole, part in zip(_moe_layers(a), _moe_layers(shard)):
+        source = CountingCheckpoint(load_model_weights(str(folder), torch.float32)[1])
+        shard = _model(folder, source, expert_shard=ExpertShard(rank=1, world_size=2))
+        for full, part in zip(_moe_layers(whole), _moe_layers(shard)):
             assert part.expert_start == 4 and part.num_local_experts == 4
-            assert torch.equal(part.gate_up_proj, whole.gate_up_proj[4:])
-            assert torch.equal(part.down_proj, whole.down_proj[4:])
+            for mine, theirs in zip(part.local_experts, full.local_experts[4:]):
+                assert torch.equal(mine.gate_up_proj.weight, theirs.gate_up_proj.weight)
+                assert torch.equal(mine.down_proj.weight, theirs.down_proj.weight)
         if layout == "fused":
             assert source.rows_read and set(source.rows_read.values()) == {(4, 8)}
         else:
@@ -190,8 +191,16 @@ def test_both_expert_layouts_load_the_same_model(tmp_path, builder):
             assert any("experts.7." in n for n in source.read)
 
 
-def _moe_layers(runner: ModelRunner) -> list[MoE]:
-    return [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, MoE)]
+def _model(folder, weights=None, *, expert_shard=None):
+    """The model as loaded, before the runner packs its linears (weights still readable)."""
+    config, checkpoint = load_model_weights(str(folder), torch.float32)
+    return get_model_class(config.architecture).from_state_dict(
+        config, checkpoint if weights is None else weights, dtype=torch.float32,
+        max_positions=64, expert_shard=expert_shard)
+
+
+def _moe_layers(model) -> list[MoE]:
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
 
 
 # ----- speculative decoding -----
