@@ -32,6 +32,29 @@ def idle_rank_stats(llm: LLM) -> list[dict]:
         time.sleep(0.05)
 
 
+def run_on_two_ep_ranks(folder, prompts: list[list[int]], *, enable_tbo: bool, name: str,
+                        reference: list[GreedyResult]) -> list[dict]:
+    """``prompts`` greedy on two expert-parallel DP ranks of the model in ``folder``: all on
+    rank 0 first (rank 1 steps dummy batches through every MoE collective), then spread; each
+    run's tokens and logprobs checked against ``reference`` (tie-aware), and both ranks checked
+    to have issued the same collectives. Returns every rank's stats once idle."""
+    from tests.utils import check_greedy_close, ours_greedy
+
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(str(folder), **{**OPTIONS, "max_model_len": 256}, skip_tokenizer_init=True,
+             data_parallel_size=2, enable_expert_parallel=True, enable_tbo=enable_tbo) as llm:
+        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
+        spread = ours_greedy(llm.generate(requests, PARAMS))
+        stats = idle_rank_stats(llm)
+    for label, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
+        check_greedy_close(ours, reference, name=f"{name}, EP, {label}, tbo={enable_tbo}")
+        assert_logprobs_close(ours, reference)
+    assert len(stats) == 2  # no rank failed (a recovery would resume on fewer)
+    assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
+    assert stats[0]["collective_count"] == stats[1]["collective_count"]
+    return stats
+
+
 def build_tiny_mixtral(folder):
     """A top-2-of-8 Mixtral built by transformers, fp32, saved to ``folder``; returns the model.
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from atom import LLM
 from atom.config import EngineConfig
 from atom.engine.llm_engine import LLMEngine
-from tests.moe_utils import (OPTIONS, PARAMS, assert_logprobs_close, build_tiny_qwen3,
-                             idle_rank_stats, tiny_prompts)
+from tests.moe_utils import OPTIONS, PARAMS, build_tiny_qwen3, run_on_two_ep_ranks, tiny_prompts
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
 
 
@@ -40,18 +38,8 @@ def folder_and_references(tmp_path_factory):
 def test_experts_over_two_ranks_with_tbo_match_one_rank(folder_and_references):
     folder, prompts, one_rank, transformers = folder_and_references
     check_greedy_close(one_rank, transformers, name="tiny qwen3_moe, one rank")
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    with LLM(str(folder), **{**OPTIONS, "max_model_len": 256}, skip_tokenizer_init=True,
-             data_parallel_size=2, enable_expert_parallel=True, enable_tbo=True) as llm:
-        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
-        spread = ours_greedy(llm.generate(requests, PARAMS))
-        stats = idle_rank_stats(llm)
-    for name, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
-        check_greedy_close(ours, one_rank, name=f"tiny qwen3_moe, EP + TBO, {name}")
-        assert_logprobs_close(ours, one_rank)
-    assert len(stats) == 2  # no rank failed (a recovery would resume on fewer)
-    assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
-    assert stats[0]["collective_count"] == stats[1]["collective_count"]
+    stats = run_on_two_ep_ranks(folder, prompts, enable_tbo=True, name="tiny qwen3_moe",
+                                reference=one_rank)
     assert stats[1]["num_dummy_steps"] > 0  # rank 1 stepped dummy batches while pinned
     # prefills split into micro-batches, decodes not: both forms ran under EP
     assert 0 < stats[0]["num_tbo_steps"] < stats[0]["num_steps"]
