@@ -136,12 +136,16 @@ class MoE(nn.Module):
         gate_mode: ``"softmax"`` (:func:`softmax_topk`) or ``"unit"`` (:func:`unit_routing`).
         renormalize: with ``"softmax"``, renormalize the k gates (:func:`softmax_topk`).
         expert_shard: hold only this rank's experts (expert parallelism); None = all.
+        expert_class: one expert, built as ``expert_class(hidden_size, intermediate_size)``,
+            mapping ``[n, hidden]`` to ``[n, hidden]``; a family whose experts differ (biases, a
+            clamped activation) passes its own.
 
     Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates) and one
-    :class:`~atom.layers.mlp.GatedMLP` per local expert, ``local_experts[i]`` being expert
-    ``expert_start + i`` (``gate_up_proj.weight`` ``[2 * intermediate, hidden]``, gate rows
-    first, then up; ``down_proj.weight`` ``[hidden, intermediate]``): so every expert's linears
-    are packed for oneDNN like the dense ones and run the fused SiLU-and-mul.
+    expert module per local expert, ``local_experts[i]`` being expert ``expert_start + i``; the
+    default :class:`~atom.layers.mlp.GatedMLP` has ``gate_up_proj.weight``
+    ``[2 * intermediate, hidden]`` (gate rows first, then up) and ``down_proj.weight``
+    ``[hidden, intermediate]``, so every expert's linears are packed for oneDNN like the dense
+    ones and run the fused SiLU-and-mul.
 
     Raises:
         ValueError: ``top_k`` outside ``[1, num_experts]``, an unknown ``gate_mode``, or fewer
@@ -150,7 +154,8 @@ class MoE(nn.Module):
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, gate_mode: str = "softmax", renormalize: bool = True,
-                 expert_shard: ExpertShard | None = None) -> None:
+                 expert_shard: ExpertShard | None = None,
+                 expert_class: type[nn.Module] = GatedMLP) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -164,7 +169,7 @@ class MoE(nn.Module):
         self.renormalize = renormalize
         self.router = Linear(hidden_size, num_experts) if gate_mode == "softmax" else None
         start, end = (0, num_experts) if expert_shard is None else expert_shard.range(num_experts)
-        self.local_experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size)
+        self.local_experts = nn.ModuleList(expert_class(hidden_size, intermediate_size)
                                            for _ in range(start, end))
         self.expert_start = start
         self.dispatcher: Dispatcher | None = None
