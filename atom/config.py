@@ -64,7 +64,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 2 * 1024**3
     """KV pool budget in bytes, used when num_kv_blocks is None (default 2 GiB)."""
     seed: int = 0
-    """Seed of the engine's sampling generator (requests may bring their own seed)."""
+    """Seed of the sampling generators of unseeded requests: each DP rank's stream is derived
+    from it and the rank, so ranks never share one (requests may bring their own seed)."""
     skip_tokenizer_init: bool = False
     """Do not load a tokenizer: prompts must be token ids and outputs carry no text."""
     num_threads: int | None = None
@@ -229,6 +230,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.data_parallel_size < 1:

@@ -166,7 +166,7 @@ class EngineCore:
             connector=None if self.kv_connector is None else KVConnectorScheduler(
                 config.kv_role, block_size=config.block_size, host=config.kv_transfer_host,
                 port=self.kv_connector.port))
-        self.sampler = Sampler(eos, seed=config.seed)
+        self.sampler = Sampler(eos, seed=config.seed, dp_rank=dp_rank)
         self.rejection_sampler = self.spec_stats = None
         if config.speculative_method is not None:
             from atom.worker.rejection_sampler import RejectionSampler
