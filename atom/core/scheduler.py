@@ -8,7 +8,10 @@ reserves blocks for the sequence's current tokens (its prompt), not for ``max_to
 decode that finds no free block preempts the newest running sequence (recompute: its blocks are
 freed and it returns to the front of the waiting queue keeping its output tokens).
 
-The scheduler alone mutates sequence state. It imports no torch. ``schedule(allow_prefill=False)``
+The scheduler alone mutates sequence state (through :meth:`Scheduler.postprocess` the tokens a
+step sampled and their logprobs, through :meth:`Scheduler.resume` and
+:meth:`Scheduler.attach_kv_transfer_params` a new request's first tokens); the block manager owns
+block tables and block hashes. It imports no torch. ``schedule(allow_prefill=False)``
 holds all prefill work (admissions and partial-prefill chunks) for one step: the cross-rank
 decision (the prefill policy in ``atom.dp``) arrives as that plain value. :meth:`Scheduler.preview_admission`
 is a side-effect-free dry run of the same admission function: how many prefills the next step
@@ -48,6 +51,7 @@ from atom.core.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from atom.config import EngineConfig
+    from atom.messages import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +184,22 @@ class Scheduler:
         seq.waiting_since_step = self.num_steps
         self.waiting.append(seq)
         return True
+
+    def resume(self, seq: Sequence, output_token_ids: list[int], *, cumulative_logprob: float,
+               finished: bool) -> None:
+        """Before :meth:`add`: a resumed choice's outputs and summed logprob so far (queued, it
+        runs as if preempted by recompute); one that had ``finished`` is never queued."""
+        seq.token_ids += output_token_ids  # num_prompt_tokens stays the prompt's
+        seq.cumulative_logprob = cumulative_logprob
+        if finished:
+            seq.status = SequenceStatus.FINISHED
+
+    def attach_kv_transfer_params(self, seq: Sequence, params: KVTransferParams) -> None:
+        """Before :meth:`add`: a P/D request's params (checked by the caller); a consumer's
+        output token 0 is the producer's first token."""
+        seq.kv_transfer_params = params
+        if params.do_remote_prefill:
+            seq.token_ids.append(params.first_token_id)
 
     def _never_fits(self, num_tokens: int) -> str | None:
         cfg, bm = self.config, self.block_manager
@@ -538,7 +558,8 @@ class Scheduler:
                 failed.append(seq)
         return loaded, failed
 
-    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]]
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]],
+                    sampled_logprobs: dict[int, float | list[float]] | None = None
                     ) -> list[Sequence]:
         """Apply one step's results: advance counters, publish computed blocks, append tokens.
 
@@ -547,6 +568,9 @@ class Scheduler:
             sampled_token_ids: seq_id → sampled token for each sequence that reached its end;
                 for a sequence that verified drafts (``out.spec_budget``), the list of tokens
                 the verifier emitted (its accepted drafts, then one more).
+            sampled_logprobs: the same keys, the sampled tokens' raw logprobs (one float, or
+                one per emitted token for a verify); the kept tokens' add to the sequence's
+                ``cumulative_logprob``. None (the simulator, tests) leaves it unchanged.
         Returns:
             The sequences that got new tokens (finished ones included), in batch order.
         """
@@ -555,8 +579,9 @@ class Scheduler:
         for seq, num_new in out.scheduled:
             if seq.is_finished:  # finished from outside during the step
                 continue
+            logprob = None if sampled_logprobs is None else sampled_logprobs.get(seq.seq_id)
             if spec and seq.seq_id in spec:
-                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id])
+                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id], logprob)
                 updated.append(seq)
                 continue
             seq.num_computed_tokens += num_new
@@ -565,6 +590,8 @@ class Scheduler:
             if token_id is None:
                 continue  # mid-prompt chunk: nothing sampled
             seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
             updated.append(seq)
             reason, stop_reason = self._stop_check(seq, token_id)
             if reason is not None:
@@ -572,8 +599,10 @@ class Scheduler:
                 self._finish(seq, reason, stop_reason=stop_reason)
         return updated
 
-    def _postprocess_spec(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append a verify step's emitted tokens up to the first that stops the sequence.
+    def _postprocess_spec(self, seq: Sequence, token_ids: list[int],
+                          logprobs: list[float] | None) -> None:
+        """Append a verify step's emitted tokens up to the first that stops the sequence
+        (``logprobs``: theirs, or None).
 
         KV was written for the last token and every draft; only the last token and the
         accepted drafts (``len(token_ids) - 1``) count as computed, and never past the
@@ -588,6 +617,8 @@ class Scheduler:
             reason, stop_reason = self._stop_check(seq, token_id)
             if reason is not None:
                 break
+        if logprobs is not None:
+            seq.cumulative_logprob += sum(logprobs[:len(seq.token_ids) - num_before])
         seq.num_computed_tokens = min(num_before + len(token_ids) - 1, len(seq.token_ids) - 1)
         self.block_manager.trim(seq, len(seq.token_ids))
         self.block_manager.cache_computed_blocks(seq)

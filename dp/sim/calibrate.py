@@ -83,16 +83,16 @@ def _entries(point: dict, core) -> list:
 
     entries, params = [], SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     for i, (n, ctx) in enumerate(point.get("prefill", [])):
-        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params)
+        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params,
+                       num_computed_tokens=ctx)
         core.block_manager.allocate(seq)
-        seq.num_computed_tokens = ctx
         entries.append((seq, n))
     num_decodes, ctx = point.get("decode", (0, 0))
     for i in range(num_decodes):
-        seq = Sequence(f"d{i}", list(synthetic_prompt(f"d{i}", ctx - 1)), params)
-        seq.token_ids.append(100)  # one output token: the next step decodes
+        # one output token after the prompt, all but it computed: the next step decodes
+        seq = Sequence(f"d{i}", [*synthetic_prompt(f"d{i}", ctx - 1), 100], params,
+                       num_prompt_tokens=ctx - 1, num_computed_tokens=ctx - 1)
         core.block_manager.allocate(seq)
-        seq.num_computed_tokens = ctx - 1
         entries.append((seq, 1))
     return entries
 
