@@ -33,8 +33,8 @@ Environment of every worker (the rank contract; torchrun sets the starred ones t
 ``ATOM_ERROR_FILE``                   per-rank file for the rank's traceback
                                       (:mod:`atom.launch.errors`; torchrun's variable is
                                       ``TORCHELASTIC_ERROR_FILE``)
-``ATOM_LAUNCHER_PID``                 the launcher's pid
-                                      (``atom.launch.env.launched_by_launcher()``)
+``ATOM_LAUNCHER_PID``                 the launcher's pid (for a user's tools; atom never asks
+                                      who launched it, see below)
 ``TORCHELASTIC_RESTART_COUNT`` *      with ``--max-restarts``: which start of the group this
                                       is (0 first)
 ``TORCHELASTIC_MAX_RESTARTS`` *       with ``--max-restarts``: K

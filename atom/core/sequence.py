@@ -129,3 +129,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def samples_next_token(self, num_new_tokens: int) -> bool:
+        """Whether a step that computes ``num_new_tokens`` more tokens (from
+        ``num_computed_tokens``; a verify's drafts included) reaches the last token, so that it
+        samples the next one: every decode, a prefill's last chunk, never a chunk mid-prompt.
+        The one rule of ``SchedulerOutput.sampled_seqs``, the model runner's sampled rows and
+        the simulator's cost model; read before the step's postprocess."""
+        return self.num_computed_tokens + num_new_tokens >= len(self.token_ids)
