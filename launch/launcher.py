@@ -192,8 +192,11 @@ def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error
     return env
 
 
-def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
-                  restart_count: int = 0) -> list[WorkerSpec]:
+def worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
+                 restart_count: int = 0) -> list[WorkerSpec]:
+    """One :class:`WorkerSpec` per local rank of this node: the command, its environment
+    (:func:`worker_env` plus the restart variables of start ``restart_count``) and its log
+    and error files under ``log_dir``."""
     argv = tuple(worker_argv(config))
     warning = oversubscription_warning(config.nproc_per_node)
     if warning is not None:
@@ -235,7 +238,7 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
     own_log_dir = config.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="atom-launch-") if own_log_dir else config.log_dir
     os.makedirs(log_dir, exist_ok=True)
-    specs = _worker_specs(config, master_port=store.port, log_dir=log_dir)
+    specs = worker_specs(config, master_port=store.port, log_dir=log_dir)
     logger.info("node %d/%d: starting ranks %d-%d of %d (store %s, logs %s): %s",
                 config.node_rank, config.nnodes, specs[0].rank, specs[-1].rank,
                 config.world_size, store.address, log_dir, shlex.join(specs[0].argv))
@@ -244,8 +247,8 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                  if store.multi_node and store.node_rank == 0 else None)
         for restart_count in range(config.max_restarts + 1):
             if restart_count:
-                specs = _worker_specs(config, master_port=store.port, log_dir=log_dir,
-                                      restart_count=restart_count)
+                specs = worker_specs(config, master_port=store.port, log_dir=log_dir,
+                                     restart_count=restart_count)
             try:
                 workers = start_workers(specs, console=console)
             except OSError as e:  # e.g. --no-python with a command that does not exist

@@ -64,7 +64,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], *, timeout_s: flo
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
-    from atom.entrypoints.openai.api_server import _respond
+    from atom.entrypoints.openai.api_server import respond
 
     state: dict[str, Any] = {}
     prefill, decode = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
@@ -123,11 +123,11 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], *, timeout_s: flo
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _respond(request, handle("/v1/completions", request))
+        return await respond(request, handle("/v1/completions", request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _respond(request, handle("/v1/chat/completions", request))
+        return await respond(request, handle("/v1/chat/completions", request))
 
     @app.get("/v1/models")
     async def models(request: Request):

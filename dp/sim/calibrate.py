@@ -175,7 +175,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
             for point, point_runs in zip(grid, runs)], facts
 
 
-def _features(mbs: list[MicroBatch]) -> list[float]:
+def feature_row(mbs: list[MicroBatch]) -> list[float]:
     """One design-matrix row: the per-rank terms of the cost model summed over micro-batches
     (order of :data:`_FEATURES`)."""
     real = [mb for mb in mbs if not mb.is_dummy]
@@ -208,7 +208,7 @@ def fit_grid(measurements: list[dict]) -> tuple[dict, dict]:
     """The per-rank coefficients and the fit's errors (relative, per point)."""
     mbs = [[MicroBatch(**mb) for mb in m["micro_batches"]] for m in measurements]
     t = np.array([m["seconds"] for m in measurements])
-    a = np.array([_features(x) for x in mbs], dtype=float)
+    a = np.array([feature_row(x) for x in mbs], dtype=float)
     coef = nnls(a / t[:, None], np.ones(len(t)))  # relative residuals
     tokens = np.array([sum(mb.num_tokens for mb in x) for x in mbs], dtype=float)
     mlp = np.array([m["mlp_seconds"] for m in measurements])

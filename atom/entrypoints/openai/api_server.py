@@ -65,13 +65,13 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
     @v1.post("/completions")
     async def completions(req: p.CompletionRequest, request: Request):
         session_id = session_id_of(request.headers)
-        return await _respond(request, create_completion(serving, req, session_id=session_id))
+        return await respond(request, create_completion(serving, req, session_id=session_id))
 
     @v1.post("/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         session_id = session_id_of(request.headers)
-        return await _respond(request, create_chat_completion(serving, req,
-                                                              session_id=session_id))
+        return await respond(request, create_chat_completion(serving, req,
+                                                             session_id=session_id))
 
     @v1.get("/models")
     async def models() -> p.ModelList:
@@ -160,10 +160,12 @@ def _api_key_check(api_key: str | None):
 # ----- responses, disconnects -----
 
 
-async def _respond(request: Request, work: Awaitable[Any]) -> Any:
+async def respond(request: Request, work: Awaitable[Any]) -> Any:
     """Await ``work`` (a response model, or an SSE iterator for ``stream``), cancelling it if
     the client disconnects first (which aborts its engine requests). A stream is started here
-    up to its first event, so an error the engine reports at once is still a 400."""
+    up to its first event, so an error the engine reports at once is still a 400. The
+    generation routes of this server and of the P/D proxy (:mod:`atom.entrypoints.pd_proxy`)
+    answer through it."""
     async def run() -> Any:
         result = await work
         if not isinstance(result, AsyncIterator):
