@@ -150,8 +150,7 @@ class PrefillInputs:
     """A rank's prefill fields of the control vector: the inputs of every prefill policy
     (:mod:`atom.dp.prefill_policy`), all computed before scheduling from the rank's scheduler
     (:func:`atom.dp.prefill_policy.local_prefill_inputs`), so one gather serves whichever
-    policy the deployment runs. Every policy reads the gathered copies
-    (:class:`GatheredControl`).
+    policy the deployment runs; every policy reads the gathered copies.
 
     Attributes:
         num_admittable: prefills it could start or continue now (the scheduler's admission
