@@ -485,8 +485,8 @@ def load_tokenizer(model: str | os.PathLike | None, *, use_cache: bool = True):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if use_cache:
             _save_tokenizer_atomically(tokenizer, folder)
-    if getattr(tokenizer, "chat_template", None) is None:
-        logger.warning("tokenizer of %s has no chat template", path)
+    if getattr(tokenizer, "chat_template", None) is None:  # said where chat is used, not here
+        logger.info("tokenizer of %s has no chat template: chat requests will fail", path)
     return tokenizer
 
 
