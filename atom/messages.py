@@ -220,6 +220,16 @@ class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
     pid: int = 0
 
 
+class StartupFailed(msgspec.Struct, tag="startup_failed", frozen=True):
+    """A core could not start: sent instead of its :class:`ReadyMessage`, right before it
+    exits 1. ``error``: the cause as one line for people (the traceback stays in the core's
+    log, at DEBUG); the front end raises it as
+    :class:`~atom.engine.liveness.EngineStartError`."""
+
+    dp_rank: int
+    error: str
+
+
 class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     dp_rank: int
     call_id: int
@@ -227,7 +237,8 @@ class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     error: str | None = None
 
 
-CoreOutput = ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup | Heartbeat
+CoreOutput = (ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup | Heartbeat
+              | StartupFailed)
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)

@@ -54,6 +54,7 @@ from atom.engine.kv_subscriber import PublisherEndpoints
 from atom.engine.liveness import (
     DEAD,
     EngineDeadError,
+    EngineStartError,
     HeartbeatMonitor,
     RankFailedError,
     RankFailure,
@@ -69,6 +70,7 @@ from atom.messages import (
     ReadyMessage,
     SeqOutput,
     Shutdown,
+    StartupFailed,
     UtilityCall,
     UtilityResult,
     decode_output,
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineCoreClient", "EngineDeadError", "InprocClient", "MPClient", "RankFailedError",
+__all__ = ["EngineCoreClient", "EngineDeadError", "EngineStartError", "InprocClient", "MPClient", "RankFailedError",
            "RankProcesses", "SpawnedRanks", "core_argv", "merge_rank_results"]
 
 POLL_SLICE_S = 0.1  # how often a wait checks that the core processes are alive
@@ -279,8 +281,10 @@ class MPClient(EngineCoreClient):
         num_ranks, config: the current group's size and options (a shrunk group has fewer).
 
     Raises:
-        RuntimeError: a process exited during start-up (rank, exit code and stderr tail in the
-            message) or sent no ready message within ``startup_timeout_s``.
+        EngineStartError: a core raised during start-up (one line: the rank and the cause).
+        RuntimeError: a process exited during start-up without saying why (rank, exit code
+            and stderr tail in the message) or sent no ready message within
+            ``startup_timeout_s``.
         zmq.ZMQError: an address cannot be bound.
     """
 
@@ -471,6 +475,10 @@ class MPClient(EngineCoreClient):
                 message = decode_output(output.recv())
                 if isinstance(message, ReadyMessage):
                     ready[message.dp_rank] = message
+                elif isinstance(message, StartupFailed):
+                    which = "" if self.num_ranks == 1 else f" of dp rank {message.dp_rank}"
+                    raise EngineStartError(f"the engine core{which} failed to start: "
+                                           f"{message.error}")
                 elif not isinstance(message, Heartbeat):  # a ready rank beats while others load
                     logger.debug("ignored %s before the ready messages", type(message).__name__)
                 continue
