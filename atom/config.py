@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -471,6 +472,48 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of the ``atom`` commands: descriptions and help texts taken from docstrings
+    show their markup as plain text (:func:`plain_text`), and ``(default: X)`` is added only
+    where the help does not state its default already."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action))
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+_ROLE = re.compile(r":\w+:`(~?)([^`]+)`")  # :class:`~a.b.C` -> C, :mod:`a.b` -> a.b
+_QUOTED = re.compile(r"``?([^`]+)``?")
+
+
+def plain_text(text: str) -> str:
+    """Docstring markup as plain text: ``:role:`~mod.name``` -> ``name`` (``:role:`mod.name```
+    -> ``mod.name``), ````code```` and ```code``` -> ``code``."""
+    text = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], text)
+    return _QUOTED.sub(r"\1", text)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The ``atom`` command's parsers (its subcommands' parsers are of the same class): a usage
+    error is one line, ``PROG: error: MESSAGE``, and exit code 2, like every other error of
+    the command line; the usage (dozens of lines with every engine option) is ``--help``'s.
+    Help is formatted by :class:`HelpFormatter` unless ``formatter_class`` says otherwise."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

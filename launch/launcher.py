@@ -96,7 +96,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from atom.config import oversubscription_warning, resolve_num_threads
+from atom.config import ArgumentParser, oversubscription_warning, resolve_num_threads
 from atom.launch import env as launch_env
 from atom.launch import restarts
 from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, NodeWatch, StopRecord
@@ -309,8 +309,7 @@ def _report(outcome: Outcome, *, config: LaunchConfig, log_dir: str) -> None:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The launcher's argument parser (also what ``atom launch`` shows for ``--help``)."""
     d = LaunchConfig(command=("-",))
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=d.nproc_per_node,
                    help="ranks (worker processes) on this node")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="nodes, one launcher each")
@@ -341,7 +340,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str] | None = None, *, prog: str | None = None) -> LaunchConfig:
-    """Parse the command line into a :class:`LaunchConfig`; exits with usage on bad input."""
+    """Parse the command line into a :class:`LaunchConfig`; exits (code 2, one line) on bad
+    input."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
