@@ -37,6 +37,7 @@ class EngineRuntime(msgspec.Struct, frozen=True):
         eos_token_ids: ids that end a sequence (model config and tokenizer).
         kv_cache_bytes: bytes of the KV pool.
         dtype: the run dtype, ``"float32"`` or ``"bfloat16"``.
+        num_experts: experts of each MoE layer over all ranks; None for a dense model.
     """
 
     num_kv_blocks: int
@@ -45,6 +46,7 @@ class EngineRuntime(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...]
     kv_cache_bytes: int
     dtype: str
+    num_experts: int | None = None
 
 
 def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],

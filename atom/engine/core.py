@@ -149,7 +149,8 @@ class EngineCore:
         eos = tuple(sorted(set(arch.eos_token_ids) | set(extra_eos_token_ids)))
         self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                      vocab_size=arch.vocab_size, eos_token_ids=eos,
-                                     kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
+                                     kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name,
+                                     num_experts=self.num_experts)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.kv_connector = _start_kv_connector(config, self.runner, dp_rank, KVLayout(
@@ -183,6 +184,15 @@ class EngineCore:
         logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
                     "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
                     num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
+
+    @property
+    def num_experts(self) -> int | None:
+        """Experts of each MoE layer, over all ranks (before any expert-parallel sharding);
+        None for a dense model."""
+        from atom.layers.moe import moe_layers
+
+        layers = moe_layers(self.runner.model)
+        return layers[0].num_experts if layers else None
 
     @property
     def is_moe(self) -> bool:

@@ -124,10 +124,22 @@ def _prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
     return args.prompt
 
 
+def _print_dp_summary(llm) -> None:
+    from atom.dp.run_summary import print_dp_summary
+
+    print_dp_summary(llm.engine)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     prompts = _prompts(args)
     llm = _make_llm(args)
+    rc = _generate(llm, args, prompts, params)
+    _print_dp_summary(llm)  # errors propagate without it: they are the last line
+    return rc
+
+
+def _generate(llm, args: argparse.Namespace, prompts: list, params: SamplingParams) -> int:
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     has_tokenizer = llm.get_tokenizer() is not None
@@ -169,6 +181,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # non-interactive shell's background job, or of a test runner): Python only installs its
     # KeyboardInterrupt handler at start-up when SIGINT is not ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    llm = None
     try:
         params = _sampling_params(args, _chat_sampling_defaults(args.model))
         llm = _make_llm(args)
@@ -190,6 +203,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 conversation.append({"role": "assistant", "content": reply})
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session, not an error
         print(flush=True)
+    if llm is not None:
+        _print_dp_summary(llm)
     return 0
 
 
