@@ -23,6 +23,8 @@ from atom.engine.liveness import EngineDeadError
 __all__ = ["dp_summary_line", "print_dp_summary"]
 
 _ROUTED = "dp_router_decisions_"  # the DP client's per-rank decision counters
+# the policy's hold reasons (hold, hold_fill, hold_decode_interval: prefill_decision.HOLDS)
+_HOLDS = "prefill_policy_decisions_hold"
 
 
 def dp_summary_line(rank_stats: list[dict], *, config: EngineConfig,
@@ -45,8 +47,8 @@ def dp_summary_line(rank_stats: list[dict], *, config: EngineConfig,
     requests = " / ".join(str(sum(int(v) for k, v in stats.items() if k.startswith(_ROUTED)))
                           for stats in rank_stats)
     policy = rank_stats[0]
-    holds = (f"prefill policy {config.resolved_prefill_policy()}: "
-             f"{int(policy.get('prefill_policy_decisions_hold', 0))} holds (hold rate "
+    num_holds = sum(int(v) for k, v in policy.items() if k.startswith(_HOLDS))
+    holds = (f"prefill policy {config.resolved_prefill_policy()}: {num_holds} holds (hold rate "
              f"{policy.get('prefill_policy_hold_rate', 0.0):.2f}, longest "
              f"{int(policy.get('prefill_policy_max_consecutive_holds', 0))} ticks)")
     return (f"atom: DP {num_ranks}, {_expert_layout(config, num_experts, num_ranks)}, TBO "
