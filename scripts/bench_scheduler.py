@@ -49,8 +49,7 @@ def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_mode
     # Prefill until every admitted sequence decodes (fake tokens, no model).
     while any(seq.is_prefill for seq in scheduler.running) or not scheduler.running:
         out = scheduler.schedule()
-        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq, n in out.scheduled
-                                    if seq.num_computed_tokens + n == len(seq.token_ids)})
+        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq in out.sampled_seqs()})
     return scheduler
 
 

@@ -84,3 +84,30 @@ def launcher_env(**extra: str) -> dict[str, str]:
            if not (k.startswith(("ATOM_", "TORCHELASTIC_")) and k != "ATOM_CACHE_DIR")
            and k not in RANK_CONTRACT_VARS}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+TINY_VOCAB_SIZE = 512
+
+
+def save_tiny_llama(folder, *, tokenizer: bool = True, seed: int = 0) -> None:
+    """A tiny random Llama folder (2 layers, hidden 64, vocab 512, fp32, init scale 0.2 for
+    peaked logits) saved with transformers' ``save_pretrained``; with ``tokenizer``, a real
+    word-level tokenizer over the same vocabulary (``w0`` .. ``w511``, EOS ``w2``) saved
+    beside it (tokenizer.json), built with the ``tokenizers`` library."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, initializer_range=0.2,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    if tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY_VOCAB_SIZE)},
+                                           unk_token="w0"))
+        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", bos_token="w1",
+                                eos_token="w2").save_pretrained(folder)

@@ -200,29 +200,6 @@ def resolve_model_path(model: str | os.PathLike | None) -> pathlib.Path:
     return path.resolve()
 
 
-def check_model_supported(model: str | os.PathLike | None) -> str:
-    """The architecture of ``model`` (read from its ``config.json`` or GGUF header, no weights
-    loaded) if atom runs it: what a front end calls before it starts any process.
-
-    Raises:
-        ValueError: an unsupported architecture (one line naming the supported ones), or as
-            :func:`resolve_model_path`.
-        FileNotFoundError: as :func:`resolve_model_path`.
-    """
-    if model is None:
-        return "LlamaForCausalLM"  # the embedded SmolLM2 GGUF
-    path = resolve_model_path(model)
-    if path.is_file():
-        import gguf
-
-        return arch_config_from_gguf(gguf.GGUFReader(str(path))).architecture
-    source = path / "config.json"
-    config = json.loads(source.read_text())
-    arch = hf_architecture(config) or str(config.get("model_type"))
-    check_architecture(arch, source=str(source))
-    return arch
-
-
 def _file_cache_key(path: pathlib.Path) -> str:
     st = path.stat()
     return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
@@ -565,8 +542,8 @@ def load_tokenizer(model: str | os.PathLike | None, *, use_cache: bool = True):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if use_cache:
             _save_tokenizer_atomically(tokenizer, folder)
-    if getattr(tokenizer, "chat_template", None) is None:
-        logger.warning("tokenizer of %s has no chat template", path)
+    if getattr(tokenizer, "chat_template", None) is None:  # said where chat is used, not here
+        logger.info("tokenizer of %s has no chat template: chat requests will fail", path)
     return tokenizer
 
 

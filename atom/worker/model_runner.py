@@ -37,7 +37,7 @@ class ModelOutput:
     Attributes:
         logits: float32 ``[num_sampled, vocab]``, row ``i`` for ``sampled_seq_ids[i]``.
         sampled_seq_ids: the sequences that reached their last token this step
-            (``num_computed_tokens + num_new_tokens == len(token_ids)``), in scheduled order.
+            (:meth:`~atom.core.sequence.Sequence.samples_next_token`), in scheduled order.
         prompt_logits: ``seq_id -> float32 [n, vocab]`` for sequences that asked for prompt
             logprobs: the logits at the prompt positions ``p`` computed this step with
             ``p < num_prompt_tokens - 1`` (row for position ``p`` predicts token ``p + 1``), in
@@ -252,9 +252,9 @@ class ModelRunner:
             self._check_entry(seq, offset + num_new_tokens)
         spec = any(seq.spec_token_ids for seq, _, _ in entries)
         if spec:  # a verify entry computes its last token and its drafts: not a 1-token decode
-            entries = [(seq, skip, n) if not seq.spec_token_ids
-                       or seq.num_computed_tokens + skip + n < len(seq.token_ids)
-                       else (seq, skip, n + len(seq.spec_token_ids)) for seq, skip, n in entries]
+            entries = [(seq, skip, n + len(seq.spec_token_ids))
+                       if seq.spec_token_ids and seq.samples_next_token(skip + n)
+                       else (seq, skip, n) for seq, skip, n in entries]
         # Stable partition: one-token entries first (batched decode attention), then the rest.
         order = ([e for e in entries if e[2] == 1] + [e for e in entries if e[2] != 1])
         bs = self.block_size
@@ -302,18 +302,10 @@ class ModelRunner:
             num_decodes=sum(1 for _, _, n in order if n == 1),
             context_lens_tensor=as_tensor(context_lens),
         )
-        if not spec:
-            sampled = [seq.seq_id for seq, skip, n in entries
-                       if seq.num_computed_tokens + skip + n == len(seq.token_ids)]
-            return _Batch(
-                input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
-                sample_rows=[last_row[s] for s in sampled], sampled_seq_ids=sampled,
-                prompt_rows=prompt_rows,
-            )
         sampled, sample_rows, num_rows = [], [], []
         for seq, skip, n in entries:
-            num_drafts = seq.num_computed_tokens + skip + n - len(seq.token_ids)
-            if num_drafts >= 0:  # reaches its last token (and its drafts: rows for each)
+            if seq.samples_next_token(skip + n):  # rows for its last token and each draft
+                num_drafts = seq.num_computed_tokens + skip + n - len(seq.token_ids)
                 sampled.append(seq.seq_id)
                 last = last_row[seq.seq_id]
                 sample_rows += range(last - num_drafts, last + 1)
@@ -321,5 +313,5 @@ class ModelRunner:
         return _Batch(
             input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
             sample_rows=sample_rows, sampled_seq_ids=sampled, prompt_rows=prompt_rows,
-            num_rows=num_rows,
+            num_rows=num_rows if spec else None,
         )
