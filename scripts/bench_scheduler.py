@@ -74,10 +74,10 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
     """Per-step seconds of real decode steps on the scheduler's running batch: ``step`` (forward
     + sampling), and its parts ``attention`` (every layer's paged attention, KV write included),
     ``forward`` (the whole model, attention included) and ``sampling``."""
-    import atom.models.llama as llama
+    import atom.layers.attention as attention
 
     attention_s = [0.0]
-    paged_attention = llama.paged_attention
+    paged_attention = attention.paged_attention
 
     def timed_attention(*args, **kwargs):
         t = time.perf_counter()
@@ -86,7 +86,7 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
         return out
 
     times: dict[str, list[float]] = {"step": [], "forward": [], "attention": [], "sampling": []}
-    llama.paged_attention = timed_attention
+    attention.paged_attention = timed_attention
     try:
         for _ in range(num_steps + 1):
             out = scheduler.schedule()
@@ -102,7 +102,7 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
                 times[name].append(value)
             scheduler.postprocess(out, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
     finally:
-        llama.paged_attention = paged_attention
+        attention.paged_attention = paged_attention
     return {name: values[1:] for name, values in times.items()}  # the first step warms up
 
 

@@ -64,6 +64,7 @@ import torch
 from atom.core.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.core.kv_connector import KVConnectorScheduler, KVLayout
+from atom.layers.moe import ExpertShard
 from atom.messages import (
     EngineCoreRequest,
     EngineRuntime,
@@ -138,14 +139,18 @@ class EngineCore:
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
+        # under expert parallelism every rank reads and holds only its own experts
+        expert_shard = (ExpertShard(dp_rank, config.data_parallel_size)
+                        if config.enable_expert_parallel else None)
         self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=max_model_len,
                                   moe_split_experts=config.moe_split_experts,
-                                  quantized_weights=blocks)
+                                  quantized_weights=blocks, expert_shard=expert_shard)
         del weights, blocks  # the model holds its own copies (or none: tiled GGUF linears)
         if config.enable_expert_parallel and not self.is_moe:
             raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
-                             "Mixtral folder) or split a dense one with --moe-split-experts E")
+                             "Qwen3-MoE or Mixtral folder) or split a dense one with "
+                             "--moe-split-experts E")
         eos = tuple(sorted(set(arch.eos_token_ids) | set(extra_eos_token_ids)))
         self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                      vocab_size=arch.vocab_size, eos_token_ids=eos,
@@ -154,8 +159,8 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.kv_connector = _start_kv_connector(config, self.runner, dp_rank, KVLayout(
-            dtype=dtype_name, block_size=config.block_size, num_kv_heads=arch.num_key_value_heads,
-            head_dim=arch.head_dim, num_layers=arch.num_hidden_layers))
+            architecture=arch.architecture, dtype=dtype_name, block_size=config.block_size,
+            layers=tuple(self.runner.kv_cache_specs)))
         draft_runner = None if draft is None else ModelRunner(
             *draft, dtype=dtype, num_kv_blocks=num_blocks, block_size=config.block_size,
             max_model_len=max_model_len)

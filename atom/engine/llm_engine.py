@@ -89,8 +89,9 @@ class LLMEngine:
             pass the DP client's factory.
 
     Raises:
-        ValueError: invalid options, a model whose files cannot be loaded (found before any
-            process starts: :func:`atom.engine.preflight.check_model_files`), or
+        ValueError: invalid options, a model whose files cannot be loaded or whose architecture
+            atom does not run (found before any process starts:
+            :func:`atom.engine.preflight.check_model_files`), or
             ``data_parallel_size > 1`` without a ``client_factory``.
         FileNotFoundError: the model path, or its weight files, do not exist.
         EngineStartError: an engine core failed to start (a ``RuntimeError``: one line

@@ -9,7 +9,7 @@ memory, expert parallelism over a dense model) comes back from the core as
 :class:`~atom.engine.liveness.EngineStartError`.
 
 Every check reads headers only: ``config.json``, the safetensors headers (names, dtypes,
-shapes; no tensor data), a GGUF file's magic number. The embedded model is atom's own
+shapes; no tensor data), a GGUF file's magic number and metadata. The embedded model is atom's own
 (sha256-verified when fetched) and is not checked here.
 """
 
@@ -36,8 +36,10 @@ def check_model_files(config: EngineConfig) -> None:
     """Check the model (and draft model) files of ``config`` before any process starts.
 
     The checks, in order: the path exists and is a ``.gguf`` file or a folder with
-    ``config.json``; a GGUF file starts with the GGUF magic number; a folder's ``config.json``
-    is a JSON object without ``quantization_config``, its ``*.safetensors`` headers are
+    ``config.json``; a GGUF file starts with the GGUF magic number and is of the llama
+    architecture; a folder's ``config.json`` is a JSON object naming an architecture of the
+    registry (:func:`atom.models.check_architecture`: one line listing the supported ones)
+    without ``quantization_config``, its ``*.safetensors`` headers are
     readable and hold float tensors only; the folder has tokenizer files (unless
     ``skip_tokenizer_init``).
 
@@ -63,8 +65,14 @@ def _check_weights(model: str) -> pathlib.Path:
         if magic != _GGUF_MAGIC:
             raise ValueError(f"model file {path} is not a GGUF file (it starts with {magic!r}, "
                              f"not {_GGUF_MAGIC!r}): pass a .gguf file or a Hugging Face folder")
+        import gguf
+
+        from atom.worker.model_loader import arch_config_from_gguf
+
+        arch_config_from_gguf(gguf.GGUFReader(str(path)))  # raises for another architecture
         return path
     hf_config = _read_config_json(path / "config.json")
+    _check_architecture(hf_config, path / "config.json")
     quantization = hf_config.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
@@ -73,6 +81,16 @@ def _check_weights(model: str) -> pathlib.Path:
                          f"or GGUF files (--quantization gguf keeps their blocks)")
     _check_safetensors(path)
     return path
+
+
+def _check_architecture(hf_config: dict, file: pathlib.Path) -> None:
+    """One line naming the supported architectures (:mod:`atom.models`' registry, torch-free)
+    unless ``config.json``'s architecture is one of them."""
+    from atom.models import check_architecture
+    from atom.worker.model_loader import hf_architecture
+
+    check_architecture(hf_architecture(hf_config) or str(hf_config.get("model_type")),
+                       source=str(file))
 
 
 def _read_config_json(file: pathlib.Path) -> dict:

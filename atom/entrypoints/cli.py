@@ -22,6 +22,9 @@ stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
   ``atom bench serve ...``: the serving benchmark (:mod:`atom.benchmarks.serving`);
   ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.benchmarks.multinode`).
 - ``atom sim run | sweep | calibrate | workload``: the DP/EP simulator (:mod:`atom.dp.sim.cli`).
+- ``atom models``: the supported architectures (:data:`atom.models.MODEL_REGISTRY`) and how to
+  serve a Hugging Face folder of one. An engine command given a model of another architecture
+  stops in one line before it starts any process (:mod:`atom.engine.preflight`).
 
 Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
 ``--num-kv-blocks``, ...), generated from :class:`atom.config.EngineConfig`. ``--seed`` seeds the
@@ -225,6 +228,18 @@ def _chat_turn(llm, conversation: list[dict], params: SamplingParams) -> str | N
     return "".join(reply)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from atom.models import MODEL_REGISTRY
+
+    width = max(len(name) for name in MODEL_REGISTRY)
+    print(f"{'architecture':<{width}}  {'model file':<22}  covers")
+    for name, entry in sorted(MODEL_REGISTRY.items()):
+        print(f"{name:<{width}}  {'atom/models/' + entry.module + '.py':<22}  {entry.description}")
+    print("\nServe a Hugging Face folder (config.json with one of these architectures, "
+          "*.safetensors, tokenizer files):\n  atom serve --model /path/to/folder")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from atom.benchmarks import offline as bench
 
@@ -276,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     from atom.dp.sim.cli import add_sim_parser
 
     add_sim_parser(sub, fmt)
+    models = sub.add_parser("models", help="list the supported model architectures")
+    models.set_defaults(func=cmd_models)
     return parser
 
 

@@ -1,8 +1,9 @@
 """The model runner: turns one scheduled step into a forward pass and returns logits.
 
-It owns the model and the paged KV cache tensors (one ``[2, num_kv_blocks, block_size, H_kv, D]``
-tensor per layer). It reads sequences and never mutates them: the scheduler owns sequence state
-and the block manager owns block tables (already allocated for every slot this step writes).
+It owns the model and the paged KV cache tensors (one per layer, of the shape the model's class
+says: :meth:`ModelRunner.kv_cache_specs_of`, :mod:`atom.kv_cache_spec`). It reads sequences and
+never mutates them: the scheduler owns sequence state and the block manager owns block tables
+(already allocated for every slot this step writes).
 
 A step flattens the scheduled sequences' new tokens into one batch of ``T`` tokens with no batch
 dimension: sequences with one new token (decodes, or 1-token chunks) first so attention can run
@@ -13,14 +14,18 @@ output rows follow the *scheduled* order, whatever the internal order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from atom.kernels.attention import NO_KV_WRITE_SLOT, AttentionMetadata
-from atom.worker.model_loader import ModelArchConfig
-from atom.models import get_model_class
 from atom.core.sequence import Sequence
+from atom.kernels.attention import NO_KV_WRITE_SLOT, AttentionMetadata
+from atom.kv_cache_spec import KVCacheSpec, kv_cache_bytes_per_block
+from atom.layers.moe import ExpertShard
+from atom.models import get_model_class
+from atom.worker.checkpoint import Checkpoint
+from atom.worker.model_loader import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +73,8 @@ class ModelRunner:
 
     Args:
         arch_config: the architecture (from :func:`atom.worker.model_loader.load_model_weights`).
-        state_dict: Hugging Face-named weights; the model is built on their device.
+        state_dict: Hugging Face-named weights (a :class:`~atom.worker.checkpoint.Checkpoint`,
+            or any mapping of tensors); the model is built on their device.
         dtype: run dtype of weights, activations and the KV cache.
         num_kv_blocks: blocks in the KV cache pool (block ids ``0 .. num_kv_blocks - 1``).
         block_size: tokens per block.
@@ -77,14 +83,17 @@ class ModelRunner:
             :func:`atom.layers.moe.split_mlps_into_experts`), or None.
         quantized_weights: the GGUF file's own blocks (``--quantization gguf``,
             :func:`atom.worker.model_loader.load_gguf_blocks`) for small steps, or None.
+        expert_shard: under expert parallelism, read and hold only this rank's experts of every
+            MoE layer (:class:`~atom.layers.moe.ExpertShard`); None = all.
     Raises:
         ValueError: unsupported architecture, bad weights, or non-positive sizes.
     """
 
     def __init__(
-        self, arch_config: ModelArchConfig, state_dict: dict[str, torch.Tensor], *,
+        self, arch_config: ModelArchConfig, state_dict: Mapping[str, torch.Tensor], *,
         dtype: torch.dtype, num_kv_blocks: int, block_size: int, max_model_len: int,
         moe_split_experts: int | None = None, quantized_weights: dict | None = None,
+        expert_shard: ExpertShard | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_model_len", max_model_len)):
@@ -95,10 +104,13 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.device = next(iter(state_dict.values())).device
+        weights = Checkpoint.from_tensors(state_dict)
+        self.device = weights.device
         model_cls = get_model_class(arch_config.architecture)
         self.model = model_cls.from_state_dict(
-            arch_config, state_dict, dtype=dtype, max_positions=max_model_len, device=self.device)
+            arch_config, weights, dtype=dtype, max_positions=max_model_len, device=self.device,
+            expert_shard=expert_shard)
+        del weights
         if quantized_weights is not None and self.device.type == "cpu":
             from atom.kernels import cpu_ops
 
@@ -120,11 +132,9 @@ class ModelRunner:
         self.model.pack_weights()
         # Zero-filled, not empty: the batched decode path reads whole blocks (masked past each
         # context), and masked garbage that happens to be NaN would still poison softmax @ V.
-        self.kv_caches = [
-            torch.zeros((2, num_kv_blocks, block_size, arch_config.num_key_value_heads,
-                         arch_config.head_dim), dtype=dtype, device=self.device)
-            for _ in range(arch_config.num_hidden_layers)
-        ]
+        self.kv_cache_specs = self.kv_cache_specs_of(arch_config)
+        self.kv_caches = [torch.zeros(spec.shape(num_kv_blocks, block_size), dtype=dtype,
+                                      device=self.device) for spec in self.kv_cache_specs]
         self.model.bind_kv_caches(self.kv_caches)
         # a separate draft model (speculative decoding) that runs every step's forward too, on
         # its own KV cache with the same block ids (atom.engine.core._make_proposers)
@@ -142,13 +152,19 @@ class ModelRunner:
                         arch_config, dtype=dtype, block_size=block_size) / 2**20)
 
     @staticmethod
+    def kv_cache_specs_of(arch_config: ModelArchConfig) -> list[KVCacheSpec]:
+        """Each layer's KV cache geometry, as the architecture's model class says (from the
+        config alone, before any model is built)."""
+        return get_model_class(arch_config.architecture).kv_cache_specs(arch_config)
+
+    @staticmethod
     def kv_cache_bytes_per_block(
         arch_config: ModelArchConfig, *, dtype: torch.dtype, block_size: int
     ) -> int:
-        """Bytes one KV block takes across all layers (keys and values)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return (2 * arch_config.num_hidden_layers * block_size * arch_config.num_key_value_heads
-                * arch_config.head_dim * itemsize)
+        """Bytes one KV block takes across all layers (:func:`atom.kv_cache_spec.kv_cache_bytes_per_block`)."""
+        return kv_cache_bytes_per_block(
+            ModelRunner.kv_cache_specs_of(arch_config),
+            itemsize=torch.empty((), dtype=dtype).element_size(), block_size=block_size)
 
     @torch.inference_mode()
     def execute_model(

@@ -39,7 +39,7 @@ import numpy as np
 
 from atom.config import EngineConfig, resolve_num_threads
 from atom.dp.sim.cost_model import Coefficients, CostModel, MicroBatch, Profile, micro_batch
-from atom.dp.sim.workload import TraceRequest, bursty, synthetic_prompt
+from atom.dp.sim.workload import VOCAB_RANGE, TraceRequest, bursty, synthetic_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,11 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,
         prefill_policy=None, prefill_decode_interval=0, enable_expert_parallel=False,
         dp_trace=None, dp_load_balance="least_requests", max_model_len=2048))
+    if core.runtime.vocab_size < VOCAB_RANGE[1]:
+        core.close()
+        raise ValueError(f"atom sim calibrate draws token ids from {VOCAB_RANGE}: "
+                         f"{config.model}'s vocabulary of {core.runtime.vocab_size} tokens is "
+                         f"smaller; calibrate on a model with at least {VOCAB_RANGE[1]}")
     timer = _MLPTimer(core.runner.model)
     try:
         runs: list[list[tuple]] = [[] for _ in grid]
@@ -165,7 +170,8 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         facts = {"kv_cache_bytes_per_token": core.runtime.kv_cache_bytes
                  // (core.runtime.num_kv_blocks * config.block_size),
                  "max_position_embeddings": core.runner.arch_config.max_position_embeddings,
-                 "num_experts": config.moe_split_experts}
+                 "num_experts": core.num_experts,
+                 "architecture": core.runner.arch_config.architecture}
     finally:
         timer.remove()
         core.close()

@@ -85,8 +85,11 @@ def test_bad_config_json_missing_weights_and_a_file_that_is_not_gguf(copy, tmp_p
     (copy / "config.json").write_text("[]")
     with pytest.raises(ValueError, match="holds a JSON list, not an object"):
         _check(copy)
-    (copy / "model.safetensors").rename(copy / "pytorch_model.bin")
     (copy / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="unsupported architecture 'None'"):
+        _check(copy)
+    (copy / "model.safetensors").rename(copy / "pytorch_model.bin")
+    (copy / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
     with pytest.raises(FileNotFoundError, match="found pytorch_model.bin: atom reads safetensors"):
         _check(copy)
     fake = tmp_path / "model.gguf"

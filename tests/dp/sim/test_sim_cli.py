@@ -81,7 +81,7 @@ def test_calibration_grid_on_the_real_model_runner():
     measurements, facts = measure_grid(EngineConfig(dtype="float32", num_threads=1),
                                        repeats=1, grid=grid)
     assert facts == {"kv_cache_bytes_per_token": 46080, "max_position_embeddings": 8192,
-                     "num_experts": None}
+                     "num_experts": None, "architecture": "LlamaForCausalLM"}
     assert [m["point"] for m in measurements] == grid
     assert all(m["seconds"] > 0 and 0 <= m["mlp_seconds"] < m["seconds"] for m in measurements)
     assert [len(m["micro_batches"]) for m in measurements] == [1, 1, 2, 1]
@@ -91,6 +91,28 @@ def test_calibration_grid_on_the_real_model_runner():
     coefficients, fit = fit_grid(measurements)
     assert fit["num_points"] == 4 and all(v >= 0 for v in coefficients.values())
     assert machine_info(1)["num_threads"] == 1
+
+
+def test_calibration_grid_on_a_qwen3_moe_folder(tmp_path):
+    """`atom sim calibrate --model FOLDER` on another family: the facts are the model's (its KV
+    bytes per token from its per-layer specs, its experts); a vocabulary too small for the
+    grid's token ids is a clear error."""
+    from tests.moe_utils import build_tiny_qwen3
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    build_tiny_qwen3(small)
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens is smaller"):
+        measure_grid(EngineConfig(model=str(small), dtype="float32", num_threads=1), repeats=1,
+                     grid=[{}])
+    build_tiny_qwen3(large, vocab_size=20000, max_position_embeddings=2048)
+    grid = [{"decode": (2, 32)}, {"prefill": [(16, 0)], "tbo": True}]
+    measurements, facts = measure_grid(EngineConfig(model=str(large), dtype="float32",
+                                                    num_threads=1), repeats=1, grid=grid)
+    # 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
+    assert facts == {"kv_cache_bytes_per_token": 3 * 2 * 2 * 24 * 4,
+                     "max_position_embeddings": 2048, "num_experts": 8,
+                     "architecture": "Qwen3MoeForCausalLM"}
+    assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
 
 
 def test_run_says_what_it_ran_and_notes_an_overloaded_run(profile, capsys):
