@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -64,7 +65,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 2 * 1024**3
     """KV pool budget in bytes, used when num_kv_blocks is None (default 2 GiB)."""
     seed: int = 0
-    """Seed of the engine's sampling generator (requests may bring their own seed)."""
+    """Seed of the sampling generators of unseeded requests: each DP rank's stream is derived
+    from it and the rank, so ranks never share one (requests may bring their own seed)."""
     skip_tokenizer_init: bool = False
     """Do not load a tokenizer: prompts must be token ids and outputs carry no text."""
     num_threads: int | None = None
@@ -229,6 +231,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.data_parallel_size < 1:
@@ -468,6 +472,48 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of the ``atom`` commands: descriptions and help texts taken from docstrings
+    show their markup as plain text (:func:`plain_text`), and ``(default: X)`` is added only
+    where the help does not state its default already."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action))
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+_ROLE = re.compile(r":\w+:`(~?)([^`]+)`")  # :class:`~a.b.C` -> C, :mod:`a.b` -> a.b
+_QUOTED = re.compile(r"``?([^`]+)``?")
+
+
+def plain_text(text: str) -> str:
+    """Docstring markup as plain text: ``:role:`~mod.name``` -> ``name`` (``:role:`mod.name```
+    -> ``mod.name``), ````code```` and ```code``` -> ``code``."""
+    text = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], text)
+    return _QUOTED.sub(r"\1", text)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The ``atom`` command's parsers (its subcommands' parsers are of the same class): a usage
+    error is one line, ``PROG: error: MESSAGE``, and exit code 2, like every other error of
+    the command line; the usage (dozens of lines with every engine option) is ``--help``'s.
+    Help is formatted by :class:`HelpFormatter` unless ``formatter_class`` says otherwise."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ class EngineRuntime(msgspec.Struct, frozen=True):
         eos_token_ids: ids that end a sequence (model config and tokenizer).
         kv_cache_bytes: bytes of the KV pool.
         dtype: the run dtype, ``"float32"`` or ``"bfloat16"``.
+        num_experts: experts of each MoE layer over all ranks; None for a dense model.
     """
 
     num_kv_blocks: int
@@ -45,6 +46,7 @@ class EngineRuntime(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...]
     kv_cache_bytes: int
     dtype: str
+    num_experts: int | None = None
 
 
 def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],
@@ -220,6 +222,16 @@ class ReadyMessage(msgspec.Struct, tag="ready", frozen=True):
     pid: int = 0
 
 
+class StartupFailed(msgspec.Struct, tag="startup_failed", frozen=True):
+    """A core could not start: sent instead of its :class:`ReadyMessage`, right before it
+    exits 1. ``error``: the cause as one line for people (the traceback stays in the core's
+    log, at DEBUG); the front end raises it as
+    :class:`~atom.engine.liveness.EngineStartError`."""
+
+    dp_rank: int
+    error: str
+
+
 class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     dp_rank: int
     call_id: int
@@ -227,7 +239,8 @@ class UtilityResult(msgspec.Struct, tag="utility_result", frozen=True):
     error: str | None = None
 
 
-CoreOutput = ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup | Heartbeat
+CoreOutput = (ReadyMessage | EngineCoreOutputs | UtilityResult | WaveWakeup | Heartbeat
+              | StartupFailed)
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)

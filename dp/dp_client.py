@@ -41,6 +41,7 @@ from atom.config import EngineConfig
 from atom.dp.router import CacheAwareSettings, DPRouter
 from atom.engine.core_client import MPClient
 from atom.engine.liveness import pid_running
+from atom.engine.spawned_ranks import RankProcesses
 from atom.engine.kv_subscriber import KVEventSubscriber, PublisherEndpoints, connectable_endpoint, \
     wire_block_hashes
 from atom.messages import (
@@ -128,7 +129,8 @@ class DPEngineCoreClient(MPClient):
             OverflowError, msgspec.EncodeError: a value msgpack cannot hold (nothing is sent).
             EngineDeadError: a rank process is gone.
         """
-        encode(request)  # fail before routing if it cannot be encoded
+        # encoded once, before routing: a value msgpack cannot hold fails here, nothing charged
+        frame = encode(msgspec.structs.replace(request, wave_id=self.wave_id))
         block_hashes: list[int] = []
         if self.kv_subscriber is not None and data_parallel_rank is None:
             self.kv_subscriber.poll()  # the freshest index for this decision
@@ -137,7 +139,7 @@ class DPEngineCoreClient(MPClient):
                                     session_id=session_id, block_hashes=block_hashes)
         self._unfinished[request.request_id] = set(range(request.sampling_params.n))
         # the request first: the rank it wakes then has it in its first tick (no empty wave)
-        self._send(rank, msgspec.structs.replace(request, wave_id=self.wave_id))
+        self._send_frame(rank, frame)
         if self.group_idle and request.arrival_tick is not None:
             self._start_wave_deferred = True  # after the replay's other requests
         elif self.group_idle:
@@ -229,7 +231,7 @@ class DPEngineCoreClient(MPClient):
         self._broadcast(StartWave(message.wave_id))
 
 
-class LaunchedRanks:
+class LaunchedRanks(RankProcesses):
     """The ranks of a deployment a launcher started (``atom launch``, torchrun), seen from the
     front end that rank 0 runs as its child (:mod:`atom.entrypoints.launched`).
 
@@ -283,10 +285,6 @@ class LaunchedRanks:
         return [(rank, f"process {pid} (dp rank {rank}) exited; its error is in the "
                        f"launcher's report") for rank, pid in enumerate(self.pids)
                 if not pid_running(pid)]
-
-    def dead_message(self) -> str | None:
-        exited = self.exited()
-        return exited[0][1] if exited else None
 
     def kill(self, dp_ranks: list[int]) -> None:
         """With restarts: SIGKILL these (hung) ranks, so the launcher restarts the group."""

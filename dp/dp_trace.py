@@ -62,7 +62,7 @@ def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_
     Args:
         dp_rank: this rank (its row of ``gathered`` and ``shapes`` is traced).
         gathered: the tick's :class:`~atom.dp.sync.GatheredControl`.
-        decision: the tick's :class:`~atom.dp.prefill_policy.Decision`.
+        decision: the tick's :class:`~atom.dp.prefill_decision.Decision`.
         shapes: the tick's :class:`~atom.dp.sync.GatheredBatchShape`.
         start_ns, synced_ns, end_ns: ``time.perf_counter_ns()`` at the tick's start, after the
             control sync, and after the step.

@@ -1,8 +1,12 @@
 """Expert parallelism (EP) across the DP ranks, applied to a single-device model from outside.
 
 :func:`apply_expert_parallel` keeps a contiguous slice of every MoE layer's experts on each rank
-(rank r of W owns experts ``[r*E//W, (r+1)*E//W)``) and installs an :class:`ExpertParallel`
-dispatcher in each :class:`~atom.layers.moe.MoE` layer. The model file knows nothing of it.
+(rank r of W owns experts ``[r*E//W, (r+1)*E//W)``, :func:`atom.layers.moe.expert_range`; a
+model loaded with that :class:`~atom.layers.moe.ExpertShard` already holds only those, read so
+from the checkpoint) and installs an :class:`ExpertParallel` dispatcher in each
+:class:`~atom.layers.moe.MoE` layer. The model file knows nothing of it. A dense layer (Qwen3-MoE's
+``mlp_only_layers``, a DeepSeek first layer) has no MoE, so no dispatcher and no collective: it
+stays local to each rank.
 
 Per MoE layer and step, on the device group:
 
@@ -37,7 +41,7 @@ from atom.dp.collectives import (
     all_gather_into_tensor_async,
     reduce_scatter_tensor_async,
 )
-from atom.layers.moe import MoE, moe_layers
+from atom.layers.moe import MoE, expert_range, moe_layers
 
 
 class PendingTokens:
@@ -130,21 +134,10 @@ class ExpertParallel:
         return m
 
 
-def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The experts ``[start, end)`` rank ``rank`` owns: contiguous, sizes differing by ≤ 1.
-
-    Raises:
-        ValueError: fewer experts than ranks (a rank would own none).
-    """
-    if num_experts < world_size:
-        raise ValueError(f"{num_experts} experts cannot be sharded over {world_size} ranks: "
-                         f"need at least one expert per rank")
-    return rank * num_experts // world_size, (rank + 1) * num_experts // world_size
-
-
 def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup, *, rank: int,
                           world_size: int) -> ExpertParallel:
-    """Shard every MoE layer of ``model`` over ``group`` and route its tokens through it.
+    """Shard every MoE layer of ``model`` over ``group`` (a no-op for a layer loaded with this
+    rank's experts only) and route its tokens through it.
 
     Returns the :class:`ExpertParallel` whose :meth:`~ExpertParallel.begin_step` the DP loop
     calls every step.

@@ -46,8 +46,8 @@ Every hold is bounded: no episode lasts more than ``ttft_max_ticks`` ticks, nor 
 could not have run anyway (no KV blocks, no sequence slot), and a bound on that fires on every
 tick of a backlog, so the coalescer would never coalesce under load. The queue-age guard is
 there for a latency SLA and off by default (like ATOM's ``max_queue_ms``). The only state is
-the episode's hold and stall counters and the last sum, all functions of the gathered
-sequence, identical on every rank. Defaults are ATOM #1611's (target fill 0.7, 30 / 8 / 3
+the episode's stall counter and last sum (its holds are the decider's hold run), all functions
+of the gathered sequence, identical on every rank. Defaults are ATOM #1611's (target fill 0.7, 30 / 8 / 3
 ticks, KV high 0.9).
 """
 
@@ -56,13 +56,14 @@ from __future__ import annotations
 import numpy as np
 
 from atom.config import EngineConfig
-from atom.dp.prefill_policy import DecisionReason
+from atom.dp.prefill_decision import DecisionReason, Readiness, min_num_admittable
 from atom.dp.sync import GatheredControl, kv_usage_to_ppm
 
 
 class PrefillCoalescer:
     """The coalescer rule (a :class:`~atom.dp.prefill_policy.PrefillPolicy`): owns the
-    episode's hold and stall counters and the last summed prefill tokens.
+    episode's stall counter and the last summed prefill tokens (the episode's holds are the
+    hold run :class:`~atom.dp.prefill_policy.PrefillDecider` counts and hands in).
 
     Args:
         config: ``max_num_batched_tokens`` (the budget), ``enable_tbo`` (readiness) and the
@@ -83,31 +84,29 @@ class PrefillCoalescer:
         self.stall_ticks = config.prefill_coalescer_stall_ticks
         self.max_queue_ticks = config.prefill_coalescer_max_queue_ticks
         self.kv_high_watermark_ppm = kv_usage_to_ppm(config.prefill_coalescer_kv_high_watermark)
-        self.min_num_admittable = 2 if config.enable_tbo else 1
-        self._num_holds = 0  # holds in a row in this episode
+        self.min_num_admittable = min_num_admittable(enable_tbo=config.enable_tbo)
         self._num_stalls = 0  # fill checks in a row without growth of the sum
         self._last_sum: int | None = None  # summed prefill tokens at the last fill check
 
-    def decide(self, gathered: GatheredControl) -> DecisionReason:
-        """This tick's reason (table in the module docstring)."""
-        reason = self._reason(gathered)
-        if reason.holds:
-            self._num_holds += 1
-        else:  # every allow ends the episode
-            self._num_holds = self._num_stalls = 0
+    def decide(self, gathered: GatheredControl, num_holds: int) -> DecisionReason:
+        """This tick's reason (table in the module docstring; ``num_holds``: the episode's
+        holds so far)."""
+        reason = self._reason(gathered, num_holds)
+        if not reason.holds:  # every allow ends the episode
+            self._num_stalls = 0
             self._last_sum = None
         return reason
 
-    def _reason(self, g: GatheredControl) -> DecisionReason:
-        ready = g.num_admittable >= self.min_num_admittable
-        if not ready.any():
+    def _reason(self, g: GatheredControl, num_holds: int) -> DecisionReason:
+        readiness = Readiness.of(g, min_num_admittable=self.min_num_admittable)
+        if not readiness.any_ready():
             return DecisionReason.ALLOW_NONE
-        must_fire = self._must_fire(g, ready)
+        must_fire = self._must_fire(g, readiness.ready, num_holds)
         if must_fire is not None:
             return must_fire
-        pending = g.has_pending_prefill | ready
-        if not np.array_equal(ready, pending):
+        if not readiness.aligned():
             return DecisionReason.HOLD
+        pending = readiness.pending
         total = int(g.num_prefill_tokens[pending].sum())
         if total >= self.target_fill * self.token_budget * int(pending.sum()):
             return DecisionReason.FIRE_FILL
@@ -118,15 +117,16 @@ class PrefillCoalescer:
             return DecisionReason.FIRE_STALL
         return DecisionReason.HOLD_FILL
 
-    def _must_fire(self, g: GatheredControl, ready: np.ndarray) -> DecisionReason | None:
+    def _must_fire(self, g: GatheredControl, ready: np.ndarray, num_holds: int
+                   ) -> DecisionReason | None:
         """The bounds that release even an unaligned or underfilled tick."""
         if not g.num_running_decodes.any():
             return DecisionReason.FIRE_NO_DECODE
         if (ready & (g.kv_usage_ppm >= self.kv_high_watermark_ppm)).any():
             return DecisionReason.FIRE_KV_HIGH
-        if g.has_partial_prefill.any() and self._num_holds >= self.partial_max_ticks:
+        if g.has_partial_prefill.any() and num_holds >= self.partial_max_ticks:
             return DecisionReason.FIRE_PARTIAL
-        if self._num_holds >= self.ttft_max_ticks:
+        if num_holds >= self.ttft_max_ticks:
             return DecisionReason.FIRE_TTFT
         age = self.max_queue_ticks
         if age is not None and (ready & (g.oldest_waiting_age_ticks >= age)).any():

@@ -20,7 +20,8 @@ reason          condition (over the gathered ranks)                             
 ``timeout``     … unless ``max_delay_passes`` holds ran back to back               allow
 ==============  =================================================================  =========
 
-The hold counter resets on every allow, so no hold lasts more than ``max_delay_passes`` ticks.
+The hold run (counted by :class:`~atom.dp.prefill_policy.PrefillDecider`) ends on every allow,
+so no hold lasts more than ``max_delay_passes`` ticks.
 
 Lineage: SGLang #14201 / #16269, ATOM #930 / #1017. Failure modes designed out: per-rank wall
 clocks (SGLang #30521; here every input is gathered and the only state is a tick counter that
@@ -35,13 +36,13 @@ from __future__ import annotations
 import numpy as np
 
 from atom.config import EngineConfig
-from atom.dp.prefill_policy import DecisionReason
+from atom.dp.prefill_decision import DecisionReason, Readiness, min_num_admittable
 from atom.dp.sync import GatheredControl, kv_usage_to_ppm
 
 
 class PrefillDelayer:
-    """The delayer rule (a :class:`~atom.dp.prefill_policy.PrefillPolicy`): owns the hold
-    counter and the mixed tick counter.
+    """The delayer rule (a :class:`~atom.dp.prefill_policy.PrefillPolicy`): owns the mixed
+    tick counter.
 
     Its state is a pure function of the sequence of gathered values (and of the deployment's
     config, identical on every rank), so it is identical on every rank.
@@ -59,32 +60,29 @@ class PrefillDelayer:
         self.max_delay_passes = config.prefill_delayer_max_delay_passes
         watermark = config.prefill_delayer_kv_low_watermark
         self.kv_low_watermark_ppm = None if watermark is None else kv_usage_to_ppm(watermark)
-        # readiness needs two admittable prefills with TBO: a split needs two
-        self.min_num_admittable = 2 if config.enable_tbo else 1
-        self._num_consecutive_holds = 0
+        self.min_num_admittable = min_num_admittable(enable_tbo=config.enable_tbo)
         self._num_mixed_ticks = 0
 
-    def decide(self, gathered: GatheredControl) -> DecisionReason:
-        """Classify the tick and decide (table in the module docstring)."""
-        ready = gathered.num_admittable >= self.min_num_admittable
-        pending = gathered.has_pending_prefill | ready  # ready implies pending work
-        if not ready.any():
+    def decide(self, gathered: GatheredControl, num_holds: int) -> DecisionReason:
+        """Classify the tick and decide (table in the module docstring; ``num_holds``: the
+        delayer's holds in a row before this tick)."""
+        readiness = Readiness.of(gathered, min_num_admittable=self.min_num_admittable)
+        if not readiness.any_ready():
             reason = DecisionReason.ALLOW_NONE
-        elif np.array_equal(ready, pending):
+        elif readiness.aligned():
             reason = DecisionReason.ALLOW_ALL
         else:
-            reason = self._mixed(ready, gathered.kv_usage_ppm)
+            reason = self._mixed(readiness.ready, gathered.kv_usage_ppm, num_holds)
         self._num_mixed_ticks += reason not in (DecisionReason.ALLOW_NONE,
                                                 DecisionReason.ALLOW_ALL)
-        self._num_consecutive_holds = (self._num_consecutive_holds + 1
-                                       if reason is DecisionReason.HOLD else 0)
         return reason
 
-    def _mixed(self, ready: np.ndarray, kv_usage_ppm: np.ndarray) -> DecisionReason:
+    def _mixed(self, ready: np.ndarray, kv_usage_ppm: np.ndarray, num_holds: int
+               ) -> DecisionReason:
         watermark = self.kv_low_watermark_ppm
         if watermark is not None and (ready & (kv_usage_ppm < watermark)).any():
             return DecisionReason.WATERMARK
-        if self._num_consecutive_holds >= self.max_delay_passes:
+        if num_holds >= self.max_delay_passes:
             return DecisionReason.TIMEOUT
         return DecisionReason.HOLD
 

@@ -27,7 +27,8 @@ One policy per deployment (``--prefill-policy``, :func:`make_prefill_policy`):
 - ``coalescer`` (:class:`atom.dp.prefill_coalescer.PrefillCoalescer`): also hold until the
   admittable prompt tokens summed over the ranks fill a worthwhile step (ATOM #1611).
 
-Any of them composes with the decode-protection interval (``--prefill-decode-interval N``,
+The reasons, the :class:`~atom.dp.prefill_decision.Decision` and the readiness rule they share
+live in :mod:`atom.dp.prefill_decision`. Any of them composes with the decode-protection interval (``--prefill-decode-interval N``,
 :class:`DecodeInterval`; vLLM #44558, SGLang #35017, ATOM #2238), applied first. Every hold of
 every branch is bounded in ticks (SGLang #29898 and #32880 were deadlocks from an unbounded
 branch); :class:`PrefillDecider` counts every decision under exactly one reason, so the reasons
@@ -36,77 +37,20 @@ sum to the number of decisions.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from typing import Protocol
 
 from atom.config import EngineConfig
+from atom.dp.prefill_decision import HOLDS, Decision, DecisionReason
 from atom.dp.rank_contract import rank_logger
-from atom.dp.sync import GatheredBatchShape, GatheredControl, kv_usage_to_ppm
+from atom.dp.sync import GatheredBatchShape, GatheredControl, PrefillInputs, kv_usage_to_ppm
 
 logger = logging.getLogger(__name__)
 
-
-class DecisionReason(enum.Enum):
-    """Why a tick allowed or held prefills; the values are the counter names. Each policy
-    documents which it returns (:attr:`PrefillPolicy.reasons`)."""
-
-    DISABLED = "disabled"  # none: no policy, always allow
-    ALLOW_NONE = "allow_none"  # no rank is ready: nothing to hold
-    ALLOW_ALL = "allow_all"  # delayer: every rank with pending prefill work is ready
-    HOLD = "hold"  # some ranks with pending work are ready, others are not (alignment)
-    TIMEOUT = "timeout"  # delayer: max_delay_passes holds ran back to back
-    WATERMARK = "watermark"  # delayer: a ready rank's KV usage is below the low watermark
-    FIRE_NO_DECODE = "fire_no_decode"  # coalescer: no rank decodes, nothing hides the wait
-    FIRE_KV_HIGH = "fire_kv_high"  # coalescer: a ready rank's KV usage is at the high watermark
-    FIRE_PARTIAL = "fire_partial"  # coalescer: a partial prefill was held too long
-    FIRE_TTFT = "fire_ttft"  # coalescer: the episode's holds reached ttft_max_ticks
-    FIRE_QUEUE_AGE = "fire_queue_age"  # coalescer: a ready rank's oldest request queued too long
-    FIRE_FILL = "fire_fill"  # coalescer: the summed prefill tokens fill the target
-    FIRE_STALL = "fire_stall"  # coalescer: the sum stopped growing
-    HOLD_FILL = "hold_fill"  # coalescer: waiting for the sum to fill the target
-    HOLD_DECODE_INTERVAL = "hold_decode_interval"  # interval: a prefill ran within N ticks
-
-    @property
-    def holds(self) -> bool:
-        return self in _HOLDS
-
-
-_HOLDS = frozenset((DecisionReason.HOLD, DecisionReason.HOLD_FILL,
-                    DecisionReason.HOLD_DECODE_INTERVAL))
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One tick's prefill decision (identical on every rank).
-
-    Attributes:
-        reason: why (one counter per reason).
-        num_consecutive_holds: holds in a row up to and including this tick (0 on allow).
-    """
-
-    reason: DecisionReason
-    num_consecutive_holds: int = 0
-
-    @property
-    def allow(self) -> bool:
-        return not self.reason.holds
-
-
-@dataclass(frozen=True)
-class PrefillInputs:
-    """This rank's prefill fields of the control vector (see :class:`atom.dp.sync.ControlState`
-    for their meaning); every policy reads its inputs from the gathered copies."""
-
-    num_admittable: int
-    num_prefill_tokens: int
-    has_pending_prefill: bool
-    has_partial_prefill: bool
-    num_running_decodes: int
-    oldest_waiting_age_ticks: int
-    kv_usage_ppm: int
+__all__ = ["Decision", "DecisionReason", "DecodeInterval", "NoPrefillPolicy", "PrefillDecider",
+           "PrefillInputs", "PrefillPolicy", "PrefillSource", "local_prefill_inputs",
+           "make_prefill_decider", "make_prefill_policy"]
 
 
 class _KVPool(Protocol):
@@ -146,8 +90,9 @@ def local_prefill_inputs(scheduler: PrefillSource) -> PrefillInputs:
 
 
 class PrefillPolicy(Protocol):
-    """One cross-rank prefill rule: a pure function of the gathered control vectors and its
-    own tick counters (which evolve identically on every rank).
+    """One cross-rank prefill rule: a pure function of the gathered control vectors, its hold
+    run (counted by :class:`PrefillDecider`) and its own tick counters (which evolve
+    identically on every rank).
 
     Attributes:
         name: the ``--prefill-policy`` value.
@@ -157,8 +102,10 @@ class PrefillPolicy(Protocol):
     name: str
     reasons: tuple[DecisionReason, ...]
 
-    def decide(self, gathered: GatheredControl) -> DecisionReason:
-        """This tick's reason (its ``holds`` says hold or allow); updates the rule's state."""
+    def decide(self, gathered: GatheredControl, num_holds: int) -> DecisionReason:
+        """This tick's reason (its ``holds`` says hold or allow); updates the rule's state.
+        ``num_holds``: the rule's own holds in a row before this tick (since its last allow;
+        the ticks the decode interval held neither count nor end the run)."""
         ...
 
     def stats(self) -> dict[str, int | float]:
@@ -172,7 +119,7 @@ class NoPrefillPolicy:
     name = "none"
     reasons = (DecisionReason.DISABLED,)
 
-    def decide(self, gathered: GatheredControl) -> DecisionReason:
+    def decide(self, gathered: GatheredControl, num_holds: int) -> DecisionReason:
         return DecisionReason.DISABLED
 
     def stats(self) -> dict[str, int | float]:
@@ -219,11 +166,14 @@ class DecodeInterval:
 class PrefillDecider:
     """The deployment's prefill decision: its policy, the interval, and the decision counters.
 
-    Owns the counters (decisions per reason, consecutive holds) and, through the policy and the
-    interval, all decision state; every piece of it is a function of the sequence of gathered
-    values it was fed, so it is identical on every rank. When the interval holds, the policy is
-    not asked (its own hold bounds start after the interval, as in SGLang and ATOM #2238), so
-    no hold run is longer than the interval plus the policy's own bound.
+    Owns the counters (decisions per reason) and the hold runs, the one place holds in a row
+    are counted: every hold (the decision's ``num_consecutive_holds``) and the policy's own
+    (handed to the policy, whose bounds read it); through the policy and the interval, all
+    other decision state. Every piece of it is a function of the sequence of gathered values
+    it was fed, so it is identical on every rank. When the interval holds, the policy is not
+    asked and its own run neither grows nor ends (its bounds start after the interval, as in
+    SGLang and ATOM #2238), so no hold run is longer than the interval plus the policy's own
+    bound.
 
     Args:
         policy: the deployment's :class:`PrefillPolicy`.
@@ -250,7 +200,8 @@ class PrefillDecider:
         self._counts: Counter[DecisionReason] = Counter()
         self._num_decisions = 0
         self._num_ready_ticks = 0  # decisions where some rank could admit a prefill
-        self._num_consecutive_holds = 0
+        self._num_consecutive_holds = 0  # every hold in a row
+        self._num_policy_holds = 0  # the policy's own holds in a row (interval holds skipped)
         self._max_consecutive_holds = 0
 
     def decide(self, gathered: GatheredControl,
@@ -260,7 +211,8 @@ class PrefillDecider:
         if self.interval is not None and self.interval.holds(gathered, previous_shapes):
             reason = DecisionReason.HOLD_DECODE_INTERVAL
         else:
-            reason = self.policy.decide(gathered)
+            reason = self.policy.decide(gathered, self._num_policy_holds)
+            self._num_policy_holds = self._num_policy_holds + 1 if reason.holds else 0
         assert reason in self.reasons, (reason, self.policy.name)
         self._num_consecutive_holds = self._num_consecutive_holds + 1 if reason.holds else 0
         self._max_consecutive_holds = max(self._max_consecutive_holds,
@@ -289,7 +241,7 @@ class PrefillDecider:
     @property
     def hold_rate(self) -> float:
         """Holds ÷ ticks where some rank could admit a prefill (0.0 before any such tick)."""
-        num_holds = sum(self._counts[r] for r in _HOLDS)
+        num_holds = sum(self._counts[r] for r in HOLDS)
         return num_holds / self._num_ready_ticks if self._num_ready_ticks else 0.0
 
     def stats(self) -> dict[str, int | float]:

@@ -26,8 +26,9 @@ fields are integers with units in their names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from atom.dp.collectives import CollectiveLog
 
-CONTROL_MAGIC = int.from_bytes(b"ATOMCTL2", "big")
+CONTROL_MAGIC = int.from_bytes(b"ATOMCTL3", "big")  # 3: the prefill inputs first
 BATCH_SHAPE_MAGIC = int.from_bytes(b"ATOMBSH2", "big")
 KV_USAGE_PPM_MAX = 1_000_000  # kv_usage is sent in parts per million (an int64 vector)
 
@@ -49,138 +50,180 @@ def kv_usage_to_ppm(kv_usage: float) -> int:
     return round(kv_usage * KV_USAGE_PPM_MAX)
 
 
-@dataclass(frozen=True)
-class ControlState:
-    """What one rank tells the others at the start of a tick (all integers or flags).
+class _Row:
+    """The codec of one rank's vector, shared by :class:`ControlState` and :class:`BatchShape`
+    (frozen dataclasses of integer and ``bool`` fields): the vector is the magic word
+    ``MAGIC``, then the fields as int64 in declaration order. Every field is a count (>= 0)
+    but those in ``SIGNED``."""
 
-    The prefill fields are the inputs of every prefill policy (:mod:`atom.dp.prefill_policy`),
-    all computed before scheduling from the rank's scheduler, so one gather serves whichever
-    policy the deployment runs.
+    MAGIC: ClassVar[int]
+    WHAT: ClassVar[str]  # the vector's name in error messages
+    SIGNED: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    @functools.cache
+    def layout(cls) -> tuple[tuple[str, ...], frozenset[str]]:
+        """(field names in vector order, the names of the flag fields)."""
+        fields = dataclasses.fields(cls)
+        return tuple(f.name for f in fields), frozenset(f.name for f in fields if f.type == "bool")
+
+    @classmethod
+    def vector_len(cls) -> int:
+        return 1 + len(cls.layout()[0])
+
+    def __post_init__(self):
+        names, flags = self.layout()
+        negative = [f for f in names if f not in flags and f not in self.SIGNED
+                    and getattr(self, f) < 0]
+        if negative:
+            raise ValueError(f"{', '.join(negative)} must be >= 0: {self}")
+
+    def row(self) -> tuple[int, ...]:
+        """The vector's ``vector_len()`` integers: the magic word, then the fields in
+        declaration order."""
+        return (self.MAGIC, *(int(getattr(self, f)) for f in self.layout()[0]))
+
+    def pack(self) -> torch.Tensor:
+        """int64 [vector_len()]: :meth:`row` as the tensor the exchange gathers."""
+        import torch
+
+        return torch.tensor(self.row(), dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, vec: torch.Tensor | np.ndarray):
+        """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not this kind of vector."""
+        names, flags = cls.layout()
+        row = cls.checked(vec)
+        return cls(**{f: (bool(v) if f in flags else int(v)) for f, v in zip(names, row[1:].tolist())})
+
+    @classmethod
+    def checked(cls, vec) -> np.ndarray:
+        """``vec`` as an int64 array. Raises ValueError when its length or magic word is not
+        this vector's."""
+        row = np.asarray(vec, dtype=np.int64)
+        length = cls.vector_len()
+        if row.shape != (length,) or int(row[0]) != cls.MAGIC:
+            raise ValueError(f"not a {cls.WHAT} vector (expected int64 [{length}] starting with "
+                             f"0x{cls.MAGIC:016x}): {row.tolist()}")
+        return row
+
+
+class _Gathered:
+    """Every rank's row of one exchange: for each field of ``ROW``, an attribute of the same
+    name holding the ranks' values as an array of shape [world_size] (``bool`` for flags, the
+    rest int64). Identical on every rank after the gather; read-only."""
+
+    ROW: ClassVar[type[_Row]]
+
+    def __init__(self, columns: dict[str, np.ndarray]):
+        self.__dict__.update(columns)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v.tolist()}' for k, v in vars(self).items())})"
+
+    @classmethod
+    def from_matrix(cls, matrix: torch.Tensor | np.ndarray):
+        """From the gathered int64 [world_size, ROW.vector_len()] matrix.
+
+        Raises ValueError when a row is not a ``ROW`` vector (wrong length or magic).
+        """
+        names, flags = cls.ROW.layout()
+        rows = np.asarray(matrix, dtype=np.int64)
+        if rows.ndim != 2:
+            raise ValueError(f"expected [world_size, {cls.ROW.vector_len()}], got {rows.shape}")
+        for row in rows:
+            cls.ROW.checked(row)
+        return cls({f: (rows[:, 1 + i].astype(bool) if f in flags else rows[:, 1 + i].copy())
+                    for i, f in enumerate(names)})
+
+    @classmethod
+    def from_rows(cls, rows: list[_Row]):
+        """What the gather of ``rows`` (rank order) would give; for tests and simulation."""
+        return cls.from_matrix(np.array([r.row() for r in rows], dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """A rank's prefill fields of the control vector: the inputs of every prefill policy
+    (:mod:`atom.dp.prefill_policy`), all computed before scheduling from the rank's scheduler
+    (:func:`atom.dp.prefill_policy.local_prefill_inputs`), so one gather serves whichever
+    policy the deployment runs; every policy reads the gathered copies.
+
+    Attributes:
+        num_admittable: prefills it could start or continue now (the scheduler's admission
+            dry run, ``Scheduler.preview_admission``).
+        num_prefill_tokens: tokens those admittable prefills would compute this step (after
+            prefix-cache hits, within the token budget left by the decodes): the coalescer's
+            fill signal.
+        has_pending_prefill: waiting or partial-prefill work exists.
+        has_partial_prefill: a running sequence is part way through its prompt.
+        num_running_decodes: running sequences past their prompt.
+        oldest_waiting_age_ticks: ticks the longest-waiting sequence has been in the waiting
+            queue (the scheduler steps once per stepping tick); 0 when none waits.
+        kv_usage_ppm: KV blocks in use, parts per million of the pool (the delayer's low and
+            the coalescer's high watermark compare it with the deployment's).
+    """
+
+    num_admittable: int = 0
+    num_prefill_tokens: int = 0
+    has_pending_prefill: bool = False
+    has_partial_prefill: bool = False
+    num_running_decodes: int = 0
+    oldest_waiting_age_ticks: int = 0
+    kv_usage_ppm: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlState(PrefillInputs, _Row):
+    """What one rank tells the others at the start of a tick (all integers or flags): its
+    :class:`PrefillInputs` (inherited: the vector's first fields), then these.
 
     Attributes:
         has_work: the rank has unfinished requests (waiting or running).
         shutdown: the rank was asked to shut down.
-        num_admittable: prefills it could start or continue now (the scheduler's admission
-            dry run, ``Scheduler.preview_admission``).
-        has_pending_prefill: waiting or partial-prefill work exists.
-        kv_usage_ppm: KV blocks in use, parts per million of the pool (the delayer's low and
-            the coalescer's high watermark compare it with the deployment's).
-        num_prefill_tokens: tokens those admittable prefills would compute this step (after
-            prefix-cache hits, within the token budget left by the decodes): the coalescer's
-            fill signal.
-        num_running_decodes: running sequences past their prompt.
-        has_partial_prefill: a running sequence is part way through its prompt.
-        oldest_waiting_age_ticks: ticks the longest-waiting sequence has been in the waiting
-            queue (the scheduler steps once per stepping tick); 0 when none waits.
         wave_id: the wave this rank is stepping in (docs/ARCHITECTURE.md, "The DP tick", idle and waves).
         tick: ticks this rank has run (identical on every rank while in step).
         collective_count, collective_hash: the collective log before this sync (the hash as
             the int64 with the same bits); :func:`exchange_control` fills them in.
     """
 
+    MAGIC: ClassVar[int] = CONTROL_MAGIC
+    WHAT: ClassVar[str] = "control"
+    SIGNED: ClassVar[frozenset[str]] = frozenset(("collective_hash",))  # any int64
+
     has_work: bool
     shutdown: bool = False
-    num_admittable: int = 0
-    has_pending_prefill: bool = False
-    kv_usage_ppm: int = 0
-    num_prefill_tokens: int = 0
-    num_running_decodes: int = 0
-    has_partial_prefill: bool = False
-    oldest_waiting_age_ticks: int = 0
     wave_id: int = 0
     tick: int = 0
     collective_count: int = 0
     collective_hash: int = 0
 
     def __post_init__(self):
-        negative = [f for f in _CONTROL_COUNTS if getattr(self, f) < 0]
-        if negative:
-            raise ValueError(f"{', '.join(negative)} must be >= 0: {self}")
+        super().__post_init__()
         if not 0 <= self.kv_usage_ppm <= KV_USAGE_PPM_MAX:
             raise ValueError(f"kv_usage_ppm={self.kv_usage_ppm} is outside [0, {KV_USAGE_PPM_MAX}]")
 
-    def row(self) -> tuple[int, ...]:
-        """The vector's CONTROL_VECTOR_LEN integers: the magic word, then the fields in
-        declaration order."""
-        return (CONTROL_MAGIC, *(int(getattr(self, f)) for f in _CONTROL_FIELDS))
 
-    def pack(self) -> torch.Tensor:
-        """int64 [CONTROL_VECTOR_LEN]: :meth:`row` as the tensor the control sync gathers."""
-        import torch
-
-        return torch.tensor(self.row(), dtype=torch.int64)
-
-    @classmethod
-    def unpack(cls, vec: torch.Tensor | np.ndarray) -> ControlState:
-        """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not a control vector."""
-        row = _checked_row(vec, CONTROL_VECTOR_LEN, CONTROL_MAGIC, "control")
-        return cls(**{f: (bool(v) if f in _CONTROL_FLAGS else int(v))
-                      for f, v in zip(_CONTROL_FIELDS, row[1:].tolist())})
+CONTROL_VECTOR_LEN = ControlState.vector_len()
 
 
-_CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(ControlState))
-_CONTROL_FLAGS = frozenset(f.name for f in dataclasses.fields(ControlState) if f.type == "bool")
-# counts that cannot be negative (the hash is any int64)
-_CONTROL_COUNTS = tuple(f for f in _CONTROL_FIELDS if f not in _CONTROL_FLAGS
-                        and f != "collective_hash")
-CONTROL_VECTOR_LEN = 1 + len(_CONTROL_FIELDS)
+class GatheredControl(_Gathered):
+    """Every rank's :class:`ControlState` of one tick: one array of shape [world_size] per
+    field (``g.num_admittable``, ``g.has_work``, ...; flags as bool arrays, the rest int64).
 
-
-def _checked_row(vec, length: int, magic: int, what: str) -> np.ndarray:
-    row = np.asarray(vec, dtype=np.int64)
-    if row.shape != (length,) or int(row[0]) != magic:
-        raise ValueError(f"not a {what} vector (expected int64 [{length}] starting with "
-                         f"0x{magic:016x}): {row.tolist()}")
-    return row
-
-
-def _columns(matrix, magic: int, what: str, names: tuple[str, ...],
-             flags: frozenset[str]) -> dict[str, np.ndarray]:
-    """A gathered int64 [world_size, 1 + len(names)] matrix as one array per field (flags as
-    bool). Raises ValueError when a row is not a ``what`` vector (wrong length or magic)."""
-    rows = np.asarray(matrix, dtype=np.int64)
-    if rows.ndim != 2:
-        raise ValueError(f"expected [world_size, {1 + len(names)}], got {rows.shape}")
-    for row in rows:
-        _checked_row(row, 1 + len(names), magic, what)
-    return {f: (rows[:, 1 + i].astype(bool) if f in flags else rows[:, 1 + i].copy())
-            for i, f in enumerate(names)}
-
-
-@dataclass(frozen=True)
-class GatheredControl:
-    """Every rank's :class:`ControlState` of one tick, as per-rank arrays of shape [world_size].
-
-    Flags are bool arrays, the rest int64. Identical on every rank after the gather, so any
-    function of it (plus tick counters that are themselves identical) is a cross-rank decision.
+    Identical on every rank after the gather, so any function of it (plus tick counters that
+    are themselves identical) is a cross-rank decision.
     """
 
-    has_work: np.ndarray
-    shutdown: np.ndarray
-    num_admittable: np.ndarray
-    has_pending_prefill: np.ndarray
-    kv_usage_ppm: np.ndarray
-    num_prefill_tokens: np.ndarray
-    num_running_decodes: np.ndarray
-    has_partial_prefill: np.ndarray
-    oldest_waiting_age_ticks: np.ndarray
-    wave_id: np.ndarray
-    tick: np.ndarray
-    collective_count: np.ndarray
-    collective_hash: np.ndarray
-
-    @classmethod
-    def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredControl:
-        """From the gathered int64 [world_size, CONTROL_VECTOR_LEN] matrix.
-
-        Raises ValueError when a row is not a control vector (wrong length or magic).
-        """
-        return cls(**_columns(matrix, CONTROL_MAGIC, "control", _CONTROL_FIELDS, _CONTROL_FLAGS))
+    ROW = ControlState
 
     @classmethod
     def from_states(cls, states: list[ControlState]) -> GatheredControl:
         """What the gather of ``states`` (rank order) would give; for tests and simulation."""
-        return cls.from_matrix(np.array([s.row() for s in states], dtype=np.int64))
+        return cls.from_rows(states)
 
     @property
     def world_size(self) -> int:
@@ -196,9 +239,6 @@ class GatheredControl:
     def any_shutdown(self) -> bool:
         return bool(self.shutdown.any())
 
-    def max_wave_id(self) -> int:
-        return int(self.wave_id.max())
-
     def in_lockstep(self) -> bool:
         """Every rank reports the same tick, collective count and collective hash."""
         return all(len(np.unique(a)) == 1
@@ -213,7 +253,7 @@ class GatheredControl:
 
 
 @dataclass(frozen=True)
-class BatchShape:
+class BatchShape(_Row):
     """This rank's scheduled batch, as the other ranks need it (after scheduling).
 
     Attributes:
@@ -232,6 +272,9 @@ class BatchShape:
             runs the largest over the ranks, on zero tokens when it has none.
     """
 
+    MAGIC: ClassVar[int] = BATCH_SHAPE_MAGIC
+    WHAT: ClassVar[str] = "batch-shape"
+
     num_tokens: int
     num_seqs: int
     is_dummy: bool = False
@@ -243,63 +286,21 @@ class BatchShape:
     num_draft_seqs: int = 0
     num_draft_steps: int = 0
 
-    def __post_init__(self):
-        if min(self.num_tokens, self.num_seqs, self.num_prefill_tokens, self.num_decode_seqs,
-               self.num_spec_tokens, self.num_draft_seqs, self.num_draft_steps) < 0:
-            raise ValueError(f"token and sequence counts must be >= 0: {self}")
 
-    def row(self) -> tuple[int, ...]:
-        """The vector's BATCH_SHAPE_VECTOR_LEN integers: the magic word, then the fields in
-        declaration order."""
-        return (BATCH_SHAPE_MAGIC, *(int(getattr(self, f)) for f in _SHAPE_FIELDS))
-
-    def pack(self) -> torch.Tensor:
-        """int64 [BATCH_SHAPE_VECTOR_LEN]: :meth:`row` as the tensor the exchange gathers."""
-        import torch
-
-        return torch.tensor(self.row(), dtype=torch.int64)
-
-    @classmethod
-    def unpack(cls, vec: torch.Tensor | np.ndarray) -> BatchShape:
-        """Inverse of :meth:`pack`. Raises ValueError when ``vec`` is not a batch-shape vector."""
-        row = _checked_row(vec, BATCH_SHAPE_VECTOR_LEN, BATCH_SHAPE_MAGIC, "batch-shape")
-        return cls(**{f: (bool(v) if f in _SHAPE_FLAGS else int(v))
-                      for f, v in zip(_SHAPE_FIELDS, row[1:].tolist())})
+BATCH_SHAPE_VECTOR_LEN = BatchShape.vector_len()
 
 
-_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
-_SHAPE_FLAGS = frozenset(f.name for f in dataclasses.fields(BatchShape) if f.type == "bool")
-BATCH_SHAPE_VECTOR_LEN = 1 + len(_SHAPE_FIELDS)
+class GatheredBatchShape(_Gathered):
+    """Every rank's :class:`BatchShape` of one step: one array of shape [world_size] per
+    field (``shapes.num_tokens``, ``shapes.is_dummy``, ...; flags as bool arrays, the rest
+    int64)."""
 
-
-@dataclass(frozen=True)
-class GatheredBatchShape:
-    """Every rank's :class:`BatchShape` of one step as arrays of shape [world_size]."""
-
-    num_tokens: np.ndarray  # int64, tokens per rank
-    num_seqs: np.ndarray  # int64
-    is_dummy: np.ndarray  # bool
-    tbo_eligible: np.ndarray  # bool
-    has_prefill: np.ndarray  # bool
-    num_prefill_tokens: np.ndarray  # int64
-    num_decode_seqs: np.ndarray  # int64
-    num_spec_tokens: np.ndarray  # int64, draft tokens verified per rank
-    num_draft_seqs: np.ndarray  # int64, sequences drafted for after the exchange
-    num_draft_steps: np.ndarray  # int64, draft forwards each rank needs
-
-    @classmethod
-    def from_matrix(cls, matrix: torch.Tensor | np.ndarray) -> GatheredBatchShape:
-        """From the gathered int64 [world_size, BATCH_SHAPE_VECTOR_LEN] matrix.
-
-        Raises ValueError when a row is not a batch-shape vector.
-        """
-        return cls(**_columns(matrix, BATCH_SHAPE_MAGIC, "batch-shape", _SHAPE_FIELDS,
-                              _SHAPE_FLAGS))
+    ROW = BatchShape
 
     @classmethod
     def from_shapes(cls, shapes: list[BatchShape]) -> GatheredBatchShape:
         """What the gather of ``shapes`` (rank order) would give; for tests and simulation."""
-        return cls.from_matrix(np.array([s.row() for s in shapes], dtype=np.int64))
+        return cls.from_rows(shapes)
 
     @property
     def tbo_agreed(self) -> bool:
@@ -310,13 +311,6 @@ class GatheredBatchShape:
     def max_num_tokens(self) -> int:
         """The largest batch (what padded collectives size to)."""
         return int(self.num_tokens.max())
-
-    @property
-    def total_num_tokens(self) -> int:
-        return int(self.num_tokens.sum())
-
-    def all_dummy(self) -> bool:
-        return bool(self.is_dummy.all())
 
     @property
     def max_num_draft_steps(self) -> int:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from atom.dp.prefill_policy import PrefillInputs, PrefillSource, local_prefill_inputs
-from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
+from atom.dp.prefill_policy import PrefillSource, local_prefill_inputs
+from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl, PrefillInputs
 
 if TYPE_CHECKING:
     from atom.core.scheduler import SchedulerOutput

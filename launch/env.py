@@ -13,11 +13,11 @@ from collections.abc import Mapping
 
 from atom.dp.rank_contract import AGENT_STORE_ENV
 
-__all__ = ["AGENT_STORE_ENV", "launched_by_launcher", "launched_by_torchrun", "rank_env_present"]
+__all__ = ["AGENT_STORE_ENV", "rank_env_present"]
 
 # The rank contract (what torchrun sets too); RankInfo.from_env reads these.
 RANK_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# Set by `atom launch` only: the launcher's pid (a marker, and who to blame for a SIGTERM).
+# Set by `atom launch` only: the launcher's pid (for a user's tools: who to blame for a SIGTERM).
 LAUNCHER_PID_ENV = "ATOM_LAUNCHER_PID"
 # Per-rank file a failing worker writes its traceback to (torchelastic's error-file format).
 ERROR_FILE_ENV = "ATOM_ERROR_FILE"
@@ -26,7 +26,6 @@ NODE_RANK_ENV = "NODE_RANK"
 # Set by `atom launch --max-restarts` only: where rank 0 writes the pid of the front end it
 # starts, which then lives in a session of its own and outlives restarts (atom.launch.restarts).
 FRONT_END_PID_FILE_ENV = "ATOM_FRONT_END_PID_FILE"
-TORCHRUN_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 
 def rank_env_present(env: Mapping[str, str] | None = None) -> bool:
@@ -35,15 +34,3 @@ def rank_env_present(env: Mapping[str, str] | None = None) -> bool:
     runs as one rank: ``RankInfo.from_env()`` then reads (and validates) the values."""
     env = os.environ if env is None else env
     return all(env.get(name, "") != "" for name in RANK_ENV_VARS)
-
-
-def launched_by_launcher(env: Mapping[str, str] | None = None) -> bool:
-    """True when this process is a worker that ``atom launch`` started."""
-    env = os.environ if env is None else env
-    return env.get(LAUNCHER_PID_ENV, "") != "" and rank_env_present(env)
-
-
-def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
-    """True when this process is a worker that ``torchrun`` (torchelastic) started."""
-    env = os.environ if env is None else env
-    return env.get(TORCHRUN_RUN_ID_ENV, "") != "" and rank_env_present(env)

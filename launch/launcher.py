@@ -33,8 +33,8 @@ Environment of every worker (the rank contract; torchrun sets the starred ones t
 ``ATOM_ERROR_FILE``                   per-rank file for the rank's traceback
                                       (:mod:`atom.launch.errors`; torchrun's variable is
                                       ``TORCHELASTIC_ERROR_FILE``)
-``ATOM_LAUNCHER_PID``                 the launcher's pid
-                                      (``atom.launch.env.launched_by_launcher()``)
+``ATOM_LAUNCHER_PID``                 the launcher's pid (for a user's tools; atom never asks
+                                      who launched it, see below)
 ``TORCHELASTIC_RESTART_COUNT`` *      with ``--max-restarts``: which start of the group this
                                       is (0 first)
 ``TORCHELASTIC_MAX_RESTARTS`` *       with ``--max-restarts``: K
@@ -96,7 +96,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from atom.config import oversubscription_warning, resolve_num_threads
+from atom.config import ArgumentParser, oversubscription_warning, resolve_num_threads
 from atom.launch import env as launch_env
 from atom.launch import restarts
 from atom.launch.rendezvous import STORE_POLL_S, LaunchStore, NodeWatch, StopRecord
@@ -192,8 +192,11 @@ def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error
     return env
 
 
-def _worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
-                  restart_count: int = 0) -> list[WorkerSpec]:
+def worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
+                 restart_count: int = 0) -> list[WorkerSpec]:
+    """One :class:`WorkerSpec` per local rank of this node: the command, its environment
+    (:func:`worker_env` plus the restart variables of start ``restart_count``) and its log
+    and error files under ``log_dir``."""
     argv = tuple(worker_argv(config))
     warning = oversubscription_warning(config.nproc_per_node)
     if warning is not None:
@@ -235,7 +238,7 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
     own_log_dir = config.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="atom-launch-") if own_log_dir else config.log_dir
     os.makedirs(log_dir, exist_ok=True)
-    specs = _worker_specs(config, master_port=store.port, log_dir=log_dir)
+    specs = worker_specs(config, master_port=store.port, log_dir=log_dir)
     logger.info("node %d/%d: starting ranks %d-%d of %d (store %s, logs %s): %s",
                 config.node_rank, config.nnodes, specs[0].rank, specs[-1].rank,
                 config.world_size, store.address, log_dir, shlex.join(specs[0].argv))
@@ -244,8 +247,8 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                  if store.multi_node and store.node_rank == 0 else None)
         for restart_count in range(config.max_restarts + 1):
             if restart_count:
-                specs = _worker_specs(config, master_port=store.port, log_dir=log_dir,
-                                      restart_count=restart_count)
+                specs = worker_specs(config, master_port=store.port, log_dir=log_dir,
+                                     restart_count=restart_count)
             try:
                 workers = start_workers(specs, console=console)
             except OSError as e:  # e.g. --no-python with a command that does not exist
@@ -306,8 +309,7 @@ def _report(outcome: Outcome, *, config: LaunchConfig, log_dir: str) -> None:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The launcher's argument parser (also what ``atom launch`` shows for ``--help``)."""
     d = LaunchConfig(command=("-",))
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=d.nproc_per_node,
                    help="ranks (worker processes) on this node")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="nodes, one launcher each")
@@ -338,7 +340,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str] | None = None, *, prog: str | None = None) -> LaunchConfig:
-    """Parse the command line into a :class:`LaunchConfig`; exits with usage on bad input."""
+    """Parse the command line into a :class:`LaunchConfig`; exits (code 2, one line) on bad
+    input."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

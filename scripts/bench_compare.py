@@ -18,7 +18,8 @@ repeat does the same work):
   / 127.
 
 Each system runs in its own subprocess, one after the other (never concurrently), through the
-*same* worker code (``--worker``): build the engine, warm up on 4 random prompts x 8 tokens,
+*same* worker code (``--worker``; other benchmarks reuse it with their own spec, e.g.
+``scripts/bench_qwen3_moe.py``: atom then loads ``spec["model"]``, default the embedded model): build the engine, warm up on 4 random prompts x 8 tokens,
 then time each workload. The fastest of ``--repeats`` back-to-back runs is kept because this
 machine's noise is one-sided: other tenants of the host slow a run down (by 10-35% for tens of
 seconds), nothing speeds one up. ``--rounds N`` repeats the whole sequence N times in
@@ -70,7 +71,7 @@ class _Engine:
         self.system = system
         if system in ("atom", "atom-gguf"):
             from atom import LLM, SamplingParams
-            self.llm = LLM(dtype=spec["dtype"], num_threads=spec["num_threads"],
+            self.llm = LLM(spec.get("model"), dtype=spec["dtype"], num_threads=spec["num_threads"],
                            max_num_seqs=256, enable_prefix_caching=True,
                            quantization="gguf" if system == "atom-gguf" else None)
         elif system == "llamacpp":
@@ -246,6 +247,18 @@ def run_system(system: str, python: str, spec: dict, *, num_threads: int) -> dic
         return json.loads(out_path.read_text())
 
 
+def run_rounds(systems: list[tuple[str, str]], spec: dict, *, rounds: int,
+               num_threads: int) -> dict[str, list[dict]]:
+    """Each ``(system, python)`` of ``systems`` ``rounds`` times, alternating the order (a, b,
+    b, a, ...) so slow drifts of the machine's load hit every system alike; every run's
+    results, by system."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
+    for round_index in range(rounds):
+        for name, python in (systems if round_index % 2 == 0 else systems[::-1]):
+            runs[name].append(run_system(name, python, spec, num_threads=num_threads))
+    return runs
+
+
 def median_result(runs: list[dict]):
     """One system's runs merged leaf by leaf: the median of each number (lists and strings are
     taken from the first run; keys not in every run, like per-process RSS entries named by pid,
@@ -353,10 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.llamacpp_python:
         from atom.worker.embedded_model import ensure_embedded_gguf
         spec["gguf_path"] = str(ensure_embedded_gguf())
-    runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
-    for round_index in range(args.rounds):
-        for name, python in (systems if round_index % 2 == 0 else systems[::-1]):
-            runs[name].append(run_system(name, python, spec, num_threads=args.num_threads))
+    runs = run_rounds(systems, spec, rounds=args.rounds, num_threads=args.num_threads)
     results = [median_result(runs[name]) for name, _ in systems]
     print(f"{cpu_description()}")
     print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, {args.dtype}, "

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from atom.dp.dp_trace import TraceWriter, tick_row
-from atom.dp.prefill_policy import Decision, DecisionReason
+from atom.dp.prefill_decision import Decision, DecisionReason
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
 
 

@@ -18,7 +18,7 @@ one hot matrix would fit in), reported per layer:
 and the whole model's linear time per step (30 layers x 4 matrices + the LM head at one row)
 for both. Prints a table with the ratio float / quantized per row count (> 1: the quantized
 kernel is faster) and the largest row count at which the quantized kernel wins for every
-layer: the value to give :data:`atom.models.llama.QUANTIZED_MAX_ROWS`. Baselines of the
+layer: the value to give :data:`atom.layers.linear.QUANTIZED_MAX_ROWS`. Baselines of the
 quantized kernel itself, each ``gguf_linear.cpp`` built again with a compiler flag (about 20 s
 each), timed on the same inputs, printed as baseline ms / ms per layer and per step:
 

@@ -49,8 +49,7 @@ def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_mode
     # Prefill until every admitted sequence decodes (fake tokens, no model).
     while any(seq.is_prefill for seq in scheduler.running) or not scheduler.running:
         out = scheduler.schedule()
-        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq, n in out.scheduled
-                                    if seq.num_computed_tokens + n == len(seq.token_ids)})
+        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq in out.sampled_seqs()})
     return scheduler
 
 
@@ -75,10 +74,10 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
     """Per-step seconds of real decode steps on the scheduler's running batch: ``step`` (forward
     + sampling), and its parts ``attention`` (every layer's paged attention, KV write included),
     ``forward`` (the whole model, attention included) and ``sampling``."""
-    import atom.models.llama as llama
+    import atom.layers.attention as attention
 
     attention_s = [0.0]
-    paged_attention = llama.paged_attention
+    paged_attention = attention.paged_attention
 
     def timed_attention(*args, **kwargs):
         t = time.perf_counter()
@@ -87,7 +86,7 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
         return out
 
     times: dict[str, list[float]] = {"step": [], "forward": [], "attention": [], "sampling": []}
-    llama.paged_attention = timed_attention
+    attention.paged_attention = timed_attention
     try:
         for _ in range(num_steps + 1):
             out = scheduler.schedule()
@@ -103,7 +102,7 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
                 times[name].append(value)
             scheduler.postprocess(out, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
     finally:
-        llama.paged_attention = paged_attention
+        attention.paged_attention = paged_attention
     return {name: values[1:] for name, values in times.items()}  # the first step warms up
 
 

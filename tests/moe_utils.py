@@ -1,4 +1,7 @@
-"""The tiny random Mixtral (the checkable model (b) of docs/ARCHITECTURE.md) shared by the MoE tests."""
+"""The tiny random MoE models shared by the MoE tests: Mixtral (the checkable model (b) of
+docs/ARCHITECTURE.md) and Qwen3 / Qwen3-MoE, built by transformers, and the fused checkpoint
+layout of transformers v5 (experts as 3-D tensors) next to the per-expert one
+``save_pretrained`` writes."""
 
 from __future__ import annotations
 
@@ -29,6 +32,29 @@ def idle_rank_stats(llm: LLM) -> list[dict]:
         time.sleep(0.05)
 
 
+def run_on_two_ep_ranks(folder, prompts: list[list[int]], *, enable_tbo: bool, name: str,
+                        reference: list[GreedyResult]) -> list[dict]:
+    """``prompts`` greedy on two expert-parallel DP ranks of the model in ``folder``: all on
+    rank 0 first (rank 1 steps dummy batches through every MoE collective), then spread; each
+    run's tokens and logprobs checked against ``reference`` (tie-aware), and both ranks checked
+    to have issued the same collectives. Returns every rank's stats once idle."""
+    from tests.utils import check_greedy_close, ours_greedy
+
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(str(folder), **{**OPTIONS, "max_model_len": 256}, skip_tokenizer_init=True,
+             data_parallel_size=2, enable_expert_parallel=True, enable_tbo=enable_tbo) as llm:
+        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
+        spread = ours_greedy(llm.generate(requests, PARAMS))
+        stats = idle_rank_stats(llm)
+    for label, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
+        check_greedy_close(ours, reference, name=f"{name}, EP, {label}, tbo={enable_tbo}")
+        assert_logprobs_close(ours, reference)
+    assert len(stats) == 2  # no rank failed (a recovery would resume on fewer)
+    assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
+    assert stats[0]["collective_count"] == stats[1]["collective_count"]
+    return stats
+
+
 def build_tiny_mixtral(folder):
     """A top-2-of-8 Mixtral built by transformers, fp32, saved to ``folder``; returns the model.
 
@@ -46,6 +72,58 @@ def build_tiny_mixtral(folder):
     model = MixtralForCausalLM(config).eval()
     model.save_pretrained(folder)
     return model
+
+
+def randomize_norms(model) -> None:
+    """Give every RMSNorm weight (the layers', the final one, Qwen3's per-head q/k norms) random
+    values in [0.5, 1.5]: transformers initialises them to ones, which would hide a norm loaded
+    into the wrong place or not loaded at all."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+
+
+#: the tiny Qwen3-MoE of the tests: 3 layers, the middle one dense (mlp_only_layers), 8 experts
+#: of which 2 per token, the k gates renormalized (norm_topk_prob); head_dim 24 (not 64 / 4)
+QWEN3_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                 decoder_sparse_step=1, max_position_embeddings=512, initializer_range=0.2,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def build_tiny_qwen3(folder, *, moe: bool = True, **overrides):
+    """A tiny random Qwen3-MoE (:data:`QWEN3_MOE`; ``moe=False``: the dense Qwen3 of the same
+    shape) built by transformers, fp32, large init scale (peaked logits and router scores), random
+    norms; saved to ``folder`` with ``save_pretrained`` (experts one by one). Returns the model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    settings = {**QWEN3_MOE, **overrides}
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**settings)).eval()
+    else:
+        for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                    "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step"):
+            settings.pop(key)
+        model = Qwen3ForCausalLM(Qwen3Config(**settings)).eval()
+    randomize_norms(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def save_fused_layout(model, folder) -> None:
+    """Save ``model`` the way transformers v5 holds it in memory: every MoE layer's experts as
+    3-D tensors (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
+    ``[E, H, I]``, router ``mlp.gate.weight``), which ``save_pretrained`` turns back into
+    per-expert names."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(folder / "model.safetensors"))
 
 
 def tiny_prompts(num: int = 6) -> list[list[int]]:

@@ -86,34 +86,32 @@ def launcher_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
-def build_tiny_llama(folder, *, vocab_size: int = 512, num_hidden_layers: int = 2,
-                     max_position_embeddings: int = 4096, with_tokenizer: bool = False):
-    """A tiny random Llama built by transformers (fp32, hidden size 64, 4 heads over 2 KV heads),
-    saved to ``folder``; returns the model (eval mode).
+TINY_VOCAB_SIZE = 512
+
+
+def save_tiny_llama(folder, *, tokenizer: bool = True, seed: int = 0,
+                    vocab_size: int = TINY_VOCAB_SIZE, max_position_embeddings: int = 256) -> None:
+    """A tiny random Llama folder (2 layers, hidden 64, ``vocab_size`` tokens, fp32, init scale
+    0.2 for peaked logits) saved with transformers' ``save_pretrained``; with ``tokenizer``, a
+    real word-level tokenizer over the same vocabulary (``w0`` .. ``w511``, EOS ``w2``) saved
+    beside it (tokenizer.json), built with the ``tokenizers`` library.
 
     For tests about control flow (scheduling, routing, processes, failures), where the embedded
-    135M model would only add load and forward time (tests/README.md). Initialised with a
-    large scale so greedy is not decided by rounding on flat logits; seeded, so two builds are
-    the same model. ``with_tokenizer``: the embedded model's tokenizer (with its chat template)
-    is saved beside it and ``vocab_size`` is the tokenizer's, for tests that send text.
-    """
+    135M model would only add load and forward time; seeded, so two builds are the same model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    bos_token_id, eos_token_id = 1, 2
-    if with_tokenizer:
-        from atom.worker.model_loader import load_tokenizer
-
-        tokenizer = load_tokenizer(None)
-        tokenizer.save_pretrained(str(folder))
-        vocab_size = len(tokenizer)
-        bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1
-        eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                         initializer_range=0.2, tie_word_embeddings=False,
-                         bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(str(folder))
-    return model
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings, initializer_range=0.2,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    if tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)},
+                                           unk_token="w0"))
+        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", bos_token="w1",
+                                eos_token="w2").save_pretrained(folder)

@@ -312,6 +312,8 @@ def _measure_ms(result: RequestResult, name: str) -> float:
 
 
 def format_table(summary: dict, percentiles: list[float]) -> str:
+    """The report as aligned ``label: value`` lines. The median's row stands for P50 too (the
+    JSON keeps both keys: they are the same number)."""
     rows = [("Successful requests", summary["completed"]), ("Failed requests", summary["failed"]),
             ("Benchmark duration (s)", f"{summary['duration_s']:.2f}"),
             ("Total input tokens", summary["total_input_tokens"]),
@@ -322,7 +324,8 @@ def format_table(summary: dict, percentiles: list[float]) -> str:
     if "goodput" in summary:
         rows.append(("Request goodput (req/s)", f"{summary['goodput']:.2f}"))
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
-        stats = [("Mean", "mean"), ("Median", "median")] + [(f"P{q:g}", f"p{q:g}") for q in percentiles]
+        stats = [("Mean", "mean"), ("Median", "median")] + [(f"P{q:g}", f"p{q:g}")
+                                                            for q in percentiles if q != 50]
         rows += [(f"{label} {title} (ms)", f"{summary[f'{key}_{name}_ms']:.2f}") for label, key in stats]
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k + ':':<{width}}{v:>12}" for k, v in rows)

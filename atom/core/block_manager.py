@@ -171,8 +171,21 @@ class BlockManager:
                           and (claims is None or b not in claims.revived))
         return num_new + num_revived, len(hits) * self.block_size
 
-    def num_unclaimed_free_blocks(self, claims: DryRunClaims) -> int:
+    def num_unclaimed_free_blocks(self, claims: DryRunClaims | None) -> int:
+        """Free blocks, less those a dry run's ``claims`` hold (None: no dry run)."""
+        if claims is None:
+            return self.num_free_blocks
         return self.num_free_blocks - len(claims.revived) - len(claims.taken)
+
+    def claim_append(self, seq: Sequence, claims: DryRunClaims) -> bool:
+        """The dry run of :meth:`can_append` then :meth:`append_slots` for one more token of
+        ``seq``: record its new blocks in ``claims``; False (nothing recorded) when they are
+        not free."""
+        num_new_blocks = self.num_required_blocks(len(seq.token_ids)) - len(seq.block_table)
+        if num_new_blocks > self.num_unclaimed_free_blocks(claims):
+            return False
+        self.claim_new_blocks(num_new_blocks, claims)
+        return True
 
     def claim(self, seq: Sequence, claims: DryRunClaims) -> None:
         """Record in ``claims`` the blocks ``allocate(seq)`` would take; changes nothing else."""

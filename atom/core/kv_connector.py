@@ -43,8 +43,9 @@ from typing import Protocol
 
 import msgspec
 
-from atom.messages import KVTransferParams
 from atom.core.sequence import FinishReason, Sequence
+from atom.kv_cache_spec import KVCacheSpec, describe_layers
+from atom.messages import KVTransferParams
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -52,22 +53,25 @@ class KVLayout(msgspec.Struct, frozen=True):
     between engines that differ in any field would be garbage.
 
     Attributes:
+        architecture: the model's architecture (``config.json``'s ``architectures[0]``).
         dtype: the KV cache dtype name (``"float32"``, ``"bfloat16"``).
         block_size: tokens per block.
-        num_kv_heads: KV heads per layer.
-        head_dim: elements per head.
-        num_layers: attention layers (one ``[2, blocks, block_size, heads, head_dim]`` tensor each).
+        layers: each attention layer's :class:`~atom.kv_cache_spec.KVCacheSpec` (one tensor of
+            ``spec.shape(blocks, block_size)`` each: K and V per head, or a latent vector).
     """
 
+    architecture: str
     dtype: str
     block_size: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
+    layers: tuple[KVCacheSpec, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     def describe(self) -> str:
-        return (f"dtype={self.dtype}, block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, layers={self.num_layers}")
+        return (f"{self.architecture}, dtype={self.dtype}, block_size={self.block_size}, "
+                f"{self.num_layers} layers ({describe_layers(self.layers)})")
 
 
 @dataclass(frozen=True)

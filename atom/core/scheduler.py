@@ -8,7 +8,10 @@ reserves blocks for the sequence's current tokens (its prompt), not for ``max_to
 decode that finds no free block preempts the newest running sequence (recompute: its blocks are
 freed and it returns to the front of the waiting queue keeping its output tokens).
 
-The scheduler alone mutates sequence state. It imports no torch. ``schedule(allow_prefill=False)``
+The scheduler alone mutates sequence state (through :meth:`Scheduler.postprocess` the tokens a
+step sampled and their logprobs, through :meth:`Scheduler.resume` and
+:meth:`Scheduler.attach_kv_transfer_params` a new request's first tokens); the block manager owns
+block tables and block hashes. It imports no torch. ``schedule(allow_prefill=False)``
 holds all prefill work (admissions and partial-prefill chunks) for one step: the cross-rank
 decision (the prefill policy in ``atom.dp``) arrives as that plain value. :meth:`Scheduler.preview_admission`
 is a side-effect-free dry run of the same admission function: how many prefills the next step
@@ -48,6 +51,7 @@ from atom.core.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from atom.config import EngineConfig
+    from atom.messages import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +97,6 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    prefill_held: bool = False  # allow_prefill=False held prefill work that could have run
     # speculative decoding: seq_id -> draft slots reserved after its last token this step (the
     # drafts themselves are seq.spec_token_ids); empty without speculation
     spec_budget: dict[int, int] = field(default_factory=dict)
@@ -109,6 +112,8 @@ class SchedulerOutput:
 
     @property
     def num_prefill_seqs(self) -> int:
+        """Scheduled sequences in prefill (read before postprocess; in a dry run's output,
+        :meth:`Scheduler.preview_admission`'s count)."""
         return sum(1 for seq, _ in self.scheduled if seq.is_prefill)
 
     @property
@@ -121,13 +126,12 @@ class SchedulerOutput:
         return not self.scheduled
 
     def sampled_seqs(self) -> list[Sequence]:
-        """The sequences whose next token this step samples: those that reach their last
-        token (every decode, a prefill's last chunk), in batch order. Call before
+        """The sequences whose next token this step samples
+        (:meth:`~atom.core.sequence.Sequence.samples_next_token`), in batch order. Call before
         :meth:`Scheduler.postprocess` (it reads ``num_computed_tokens`` before the step). The
         model runner returns logits for the same sequences (in micro-batch order with TBO);
         the simulator (``atom.dp.sim``) supplies their tokens instead of a model."""
-        return [seq for seq, n in self.scheduled
-                if seq.num_computed_tokens + n == len(seq.token_ids)]
+        return [seq for seq, n in self.scheduled if seq.samples_next_token(n)]
 
 
 class Scheduler:
@@ -180,6 +184,22 @@ class Scheduler:
         seq.waiting_since_step = self.num_steps
         self.waiting.append(seq)
         return True
+
+    def resume(self, seq: Sequence, output_token_ids: list[int], *, cumulative_logprob: float,
+               finished: bool) -> None:
+        """Before :meth:`add`: a resumed choice's outputs and summed logprob so far (queued, it
+        runs as if preempted by recompute); one that had ``finished`` is never queued."""
+        seq.token_ids += output_token_ids  # num_prompt_tokens stays the prompt's
+        seq.cumulative_logprob = cumulative_logprob
+        if finished:
+            seq.status = SequenceStatus.FINISHED
+
+    def attach_kv_transfer_params(self, seq: Sequence, params: KVTransferParams) -> None:
+        """Before :meth:`add`: a P/D request's params (checked by the caller); a consumer's
+        output token 0 is the producer's first token."""
+        seq.kv_transfer_params = params
+        if params.do_remote_prefill:
+            seq.token_ids.append(params.first_token_id)
 
     def _never_fits(self, num_tokens: int) -> str | None:
         cfg, bm = self.config, self.block_manager
@@ -262,75 +282,37 @@ class Scheduler:
         """The prefills ``schedule(allow_prefill=True)`` would start or continue now, and their
         tokens; no side effects.
 
-        Runs the admission rule of ``schedule()`` (same budgets, same block costs, same stop at
-        the first sequence that does not fit) on copies of the counters. Partial prefills that
+        Runs the walk of ``schedule()`` itself (:meth:`_walk`) as a dry run: same budgets, same
+        block costs, same stop at the first sequence that does not fit. Partial prefills that
         would get a chunk count too, with the chunk's tokens. Blocks the step would hand out
-        (decode growth, earlier admissions: revived prefix blocks, evictions) are tracked as
-        :class:`DryRunClaims`, and choices admitted earlier in the dry run hold back their
-        siblings, as in ``schedule()``. A decode that would have to preempt ends the dry run:
-        ``schedule()`` admits nothing in a step that preempts (partial prefills behind that
-        decode are not counted). Tokens are what the step would compute: prefix-cache hits
+        (decode growth, draft slots, earlier admissions: revived prefix blocks, evictions) are
+        tracked as :class:`DryRunClaims`, and choices admitted earlier in the dry run hold back
+        their siblings, as in ``schedule()``. A decode that would have to preempt ends the dry
+        run: ``schedule()`` admits nothing in a step that preempts (partial prefills behind
+        that decode are not counted). Tokens are what the step would compute: prefix-cache hits
         excluded, chunks cut to the budget left (ATOM #2196: a fill signal built from raw
         prompt lengths never matched what the step then ran).
         """
-        bm = self.block_manager
-        claims = DryRunClaims()
-        token_budget = self.config.max_num_batched_tokens
-        count = num_tokens = 0
-        for seq in self.running:
-            if token_budget <= 0:
-                break
-            if seq.is_prefill:
-                num_new = min(seq.num_uncomputed_tokens, token_budget)
-                count += 1
-                num_tokens += num_new
-                token_budget -= num_new
-                continue
-            num_new_blocks = bm.num_required_blocks(len(seq.token_ids)) - len(seq.block_table)
-            if num_new_blocks > bm.num_unclaimed_free_blocks(claims):
-                return AdmissionPreview(count, num_tokens)
-            bm.claim_new_blocks(num_new_blocks, claims)
-            token_budget -= 1
-            if self.config.num_speculative_tokens:  # the same reservation as schedule()
-                num_spec = len(self._spec_tokens(seq, token_budget, bm.num_unclaimed_free_blocks(claims)))
-                bm.claim_new_blocks(self._num_spec_blocks(seq, num_spec), claims)
-                token_budget -= num_spec
-        prefilling = self._prefilling()
-        num_seqs = len(self.running)
-        for seq in self.waiting:
-            if token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
-                break
-            decision = self._admission(seq, token_budget, claims=claims, prefilling=prefilling)
-            if decision is None:
-                break
-            num_cached, num_new = decision
-            bm.claim(seq, claims)
-            if num_cached < max(seq.num_prompt_tokens, len(seq.token_ids) - 1):  # as is_prefill
-                prefilling[seq.request_id] = min(prefilling.get(seq.request_id, num_cached), num_cached)
-            count += 1
-            num_tokens += num_new
-            token_budget -= num_new
-            num_seqs += 1
-        return AdmissionPreview(count, num_tokens)
+        out = self._walk(allow_prefill=True, claims=DryRunClaims())
+        # untouched by the dry run, every admitted sequence is still a prefill
+        return AdmissionPreview(out.num_prefill_seqs, out.num_prefill_tokens)
 
-    def _admission(self, seq: Sequence, token_budget: int, *, claims: DryRunClaims | None = None,
-                   prefilling: dict[str, int] | None = None) -> tuple[int, int] | None:
+    def _admission(self, seq: Sequence, token_budget: int, *, claims: DryRunClaims | None,
+                   prefilling: dict[str, int]) -> tuple[int, int] | None:
         """(cached tokens, tokens computed this step) if ``seq`` can be admitted now, else None.
 
         Choices of an ``n > 1`` request wait while an earlier choice in prefill has not yet
         computed the prompt's full blocks, so they find them in the prefix cache instead of
-        computing them again. ``claims`` and ``prefilling`` (see :meth:`_prefilling`) carry the
-        state of ``preview_admission``'s dry run; by default the live state is used.
+        computing them again. ``claims``: a dry run's (None: the live state); ``prefilling``:
+        see :meth:`_prefilling`, kept up to date by the walk's admissions.
         """
         bm = self.block_manager
         if seq.index > 0:
-            prefilling = self._prefilling() if prefilling is None else prefilling
             num_cacheable = (len(seq.token_ids) - 1) // bm.block_size * bm.block_size
             if prefilling.get(seq.request_id, num_cacheable) < num_cacheable:
                 return None
         num_blocks, num_cached = bm.admission_cost(seq, claims)
-        num_free_blocks = bm.num_free_blocks if claims is None else bm.num_unclaimed_free_blocks(claims)
-        if num_blocks > num_free_blocks:
+        if num_blocks > bm.num_unclaimed_free_blocks(claims):
             return None
         num_uncomputed = len(seq.token_ids) - num_cached
         # chunking off: a prompt must fit one step (add() rejects longer ones); a preempted
@@ -360,6 +342,12 @@ class Scheduler:
                 for this step; decodes still run. The DP loop passes the cross-rank decision.
         """
         self.num_steps += 1
+        return self._walk(allow_prefill=allow_prefill)
+
+    def _walk(self, *, allow_prefill: bool, claims: DryRunClaims | None = None) -> SchedulerOutput:
+        """The one admission rule of :meth:`schedule` and :meth:`preview_admission`. With
+        ``claims`` a dry run: nothing changes but ``claims`` (the blocks the step would take),
+        and a decode that would have to preempt ends the walk (the step then admits nothing)."""
         out = SchedulerOutput()
         token_budget = self.config.max_num_batched_tokens
         i = 0
@@ -367,23 +355,23 @@ class Scheduler:
             seq = self.running[i]
             if seq.is_prefill:
                 if not allow_prefill:
-                    out.prefill_held = True
                     i += 1
                     continue
                 num_new = min(seq.num_uncomputed_tokens, token_budget)
             else:
                 num_new = 1
-                if not self._reserve_decode_slot(seq, out):
+                if claims is not None:
+                    if not self.block_manager.claim_append(seq, claims):
+                        return out  # would preempt: the step admits nothing
+                elif not self._reserve_decode_slot(seq, out):
                     continue  # seq left the running list (preempted or finished)
                 if self.config.num_speculative_tokens:  # drafts: budgeted, not in scheduled
-                    token_budget -= self._reserve_spec_slots(seq, out, token_budget - 1)
+                    token_budget -= self._reserve_spec_slots(seq, out, token_budget - 1, claims)
             out.scheduled.append((seq, num_new))
             token_budget -= num_new
             i += 1
-        if self.waiting and not allow_prefill:
-            out.prefill_held = True
         if allow_prefill and not out.preempted:
-            self._admit_waiting(out, token_budget)
+            self._admit_waiting(out, token_budget, claims)
         return out
 
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
@@ -428,14 +416,20 @@ class Scheduler:
         covered = max(len(seq.block_table), bm.num_required_blocks(len(seq.token_ids)))
         return max(0, bm.num_required_blocks(len(seq.token_ids) + num_spec) - covered)
 
-    def _reserve_spec_slots(self, seq: Sequence, out: SchedulerOutput, token_budget: int) -> int:
-        """Reserve ``seq``'s draft slots (after its decode slot); returns how many."""
-        drafts = self._spec_tokens(seq, token_budget, self.block_manager.num_free_blocks)
+    def _reserve_spec_slots(self, seq: Sequence, out: SchedulerOutput, token_budget: int,
+                            claims: DryRunClaims | None) -> int:
+        """Reserve ``seq``'s draft slots (after its decode slot); returns how many. With a dry
+        run's ``claims``, their blocks are claimed instead."""
+        drafts = self._spec_tokens(seq, token_budget,
+                                   self.block_manager.num_unclaimed_free_blocks(claims))
         if not drafts:
             return 0
-        if self.proposer is not None:
-            seq.spec_token_ids = drafts
-        self.block_manager.append_slots(seq, len(seq.token_ids) + len(drafts))
+        if claims is not None:
+            self.block_manager.claim_new_blocks(self._num_spec_blocks(seq, len(drafts)), claims)
+        else:
+            if self.proposer is not None:
+                seq.spec_token_ids = drafts
+            self.block_manager.append_slots(seq, len(seq.token_ids) + len(drafts))
         out.spec_budget[seq.seq_id] = len(drafts)
         return len(drafts)
 
@@ -466,33 +460,56 @@ class Scheduler:
         out.preempted.append(seq)
         logger.debug("preempted seq %d (%d tokens)", seq.seq_id, len(seq.token_ids))
 
-    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
-        while (self.waiting and token_budget > 0 and len(self.running)
-               + len(self.waiting_for_remote_kvs) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            decision = self._admission(seq, token_budget)
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int,
+                       claims: DryRunClaims | None) -> None:
+        """Admit waiting sequences first-come-first-served until one does not fit (a dry run's
+        ``claims``: record their blocks, change nothing)."""
+        if not self.waiting:
+            return
+        prefilling = self._prefilling()
+        num_seqs = len(self.running) + len(self.waiting_for_remote_kvs)
+        num_admitted = 0
+        for seq in self.waiting:  # popped after the loop (a deque cannot change while iterated)
+            if token_budget <= 0 or num_seqs >= self.config.max_num_seqs:
+                break
+            decision = self._admission(seq, token_budget, claims=claims, prefilling=prefilling)
             if decision is None:
                 break
-            _, num_new = decision
-            self.waiting.popleft()
-            num_cached = self.block_manager.allocate(seq)
-            seq.num_computed_tokens = num_cached
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
-            if seq.kv_transfer_params is not None and self._start_remote_load(seq, num_cached):
+            num_cached, num_new = decision
+            num_admitted += 1
+            num_seqs += 1
+            if claims is not None:
+                self.block_manager.claim(seq, claims)
+            else:
+                num_cached = seq.num_computed_tokens = self.block_manager.allocate(seq)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = num_cached
+            if self._start_remote_load(seq, num_cached, claims):
                 continue
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if num_cached < max(seq.num_prompt_tokens, len(seq.token_ids) - 1):  # as is_prefill
+                prefilling[seq.request_id] = min(prefilling.get(seq.request_id, num_cached),
+                                                 num_cached)
+            if claims is None:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
             out.scheduled.append((seq, num_new))
             token_budget -= num_new
+        if claims is None:
+            for _ in range(num_admitted):
+                self.waiting.popleft()
 
     # ----- the KV connector (P/D) -----
 
-    def _start_remote_load(self, seq: Sequence, num_cached: int) -> bool:
+    def _start_remote_load(self, seq: Sequence, num_cached: int, claims: DryRunClaims | None
+                           ) -> bool:
         """Admit a consumer sequence (its blocks are allocated) as waiting for its remote KV
-        instead of prefilling it; False when it has nothing to load (a producer request)."""
-        if self.connector is None or not seq.kv_transfer_params.do_remote_prefill:
+        instead of prefilling it (a dry run's ``claims``: only say so); False when it has
+        nothing to load (not a P/D consumer's)."""
+        params = seq.kv_transfer_params
+        if params is None or self.connector is None or not params.do_remote_prefill:
             return False
+        if claims is not None:
+            return True
         num_external, _ = self.connector.get_num_new_matched_tokens(seq, num_cached)
         # num_external == 0 (the whole prompt was cached here) still goes through the worker,
         # which reports it loaded at once: one path for the first-token injection
@@ -538,7 +555,8 @@ class Scheduler:
                 failed.append(seq)
         return loaded, failed
 
-    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]]
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]],
+                    sampled_logprobs: dict[int, float | list[float]] | None = None
                     ) -> list[Sequence]:
         """Apply one step's results: advance counters, publish computed blocks, append tokens.
 
@@ -547,6 +565,9 @@ class Scheduler:
             sampled_token_ids: seq_id → sampled token for each sequence that reached its end;
                 for a sequence that verified drafts (``out.spec_budget``), the list of tokens
                 the verifier emitted (its accepted drafts, then one more).
+            sampled_logprobs: the same keys, the sampled tokens' raw logprobs (one float, or
+                one per emitted token for a verify); the kept tokens' add to the sequence's
+                ``cumulative_logprob``. None (the simulator, tests) leaves it unchanged.
         Returns:
             The sequences that got new tokens (finished ones included), in batch order.
         """
@@ -555,8 +576,9 @@ class Scheduler:
         for seq, num_new in out.scheduled:
             if seq.is_finished:  # finished from outside during the step
                 continue
+            logprob = None if sampled_logprobs is None else sampled_logprobs.get(seq.seq_id)
             if spec and seq.seq_id in spec:
-                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id])
+                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id], logprob)
                 updated.append(seq)
                 continue
             seq.num_computed_tokens += num_new
@@ -565,6 +587,8 @@ class Scheduler:
             if token_id is None:
                 continue  # mid-prompt chunk: nothing sampled
             seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
             updated.append(seq)
             reason, stop_reason = self._stop_check(seq, token_id)
             if reason is not None:
@@ -572,8 +596,10 @@ class Scheduler:
                 self._finish(seq, reason, stop_reason=stop_reason)
         return updated
 
-    def _postprocess_spec(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append a verify step's emitted tokens up to the first that stops the sequence.
+    def _postprocess_spec(self, seq: Sequence, token_ids: list[int],
+                          logprobs: list[float] | None) -> None:
+        """Append a verify step's emitted tokens up to the first that stops the sequence
+        (``logprobs``: theirs, or None).
 
         KV was written for the last token and every draft; only the last token and the
         accepted drafts (``len(token_ids) - 1``) count as computed, and never past the
@@ -588,6 +614,8 @@ class Scheduler:
             reason, stop_reason = self._stop_check(seq, token_id)
             if reason is not None:
                 break
+        if logprobs is not None:
+            seq.cumulative_logprob += sum(logprobs[:len(seq.token_ids) - num_before])
         seq.num_computed_tokens = min(num_before + len(token_ids) - 1, len(seq.token_ids) - 1)
         self.block_manager.trim(seq, len(seq.token_ids))
         self.block_manager.cache_computed_blocks(seq)

@@ -1,8 +1,9 @@
 """Per-request state for one generated sequence.
 
 A :class:`Sequence` is the unit the scheduler and the block manager work on. Only the scheduler
-mutates it (status, ``num_computed_tokens``, appended tokens, finish fields); the block manager
-owns ``block_table``; the model runner only reads it. Torch-free on purpose.
+mutates it (status, ``num_computed_tokens``, appended tokens and their summed logprob, drafts,
+finish fields, a resumed or P/D consumer request's first tokens); the block manager owns
+``block_table`` and ``block_hashes``; the engine core and the model runner only read it. Torch-free on purpose.
 
 Token bookkeeping (vLLM v1 vocabulary)::
 
@@ -46,7 +47,8 @@ class Sequence:
     Attributes:
         request_id: the request this sequence belongs to.
         token_ids: prompt tokens followed by output tokens (ints, vocabulary ids).
-        num_prompt_tokens: length of the prompt in tokens.
+        num_prompt_tokens: length of the prompt in tokens (default: all of ``token_ids``; a
+            harness that times the model runner alone passes fewer to build a decode).
         sampling_params: the request's sampling parameters.
         index: the choice index within the request (0 .. n-1).
         arrival_time_s: ``time.monotonic()`` when the request arrived (set by the engine).
@@ -58,7 +60,7 @@ class Sequence:
     index: int = 0
     arrival_time_s: float = 0.0
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
-    num_prompt_tokens: int = field(init=False)
+    num_prompt_tokens: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -74,8 +76,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error_message: str | None = None
-    # per output token: {token_id: logprob} (only when sampling_params.logprobs is set)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # summed raw logprob of the output tokens (a resumed sequence starts from its earlier sum)
     cumulative_logprob: float = 0.0
     # speculative decoding: draft tokens proposed for this step's verify forward (after the
     # last token, positions len(token_ids) ...); never part of token_ids until accepted, so they
@@ -86,7 +87,11 @@ class Sequence:
     kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.token_ids)
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.token_ids)
+        elif not 0 <= self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError(f"num_prompt_tokens={self.num_prompt_tokens} must be in "
+                             f"[0, {len(self.token_ids)}] (the length of token_ids)")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -124,3 +129,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def samples_next_token(self, num_new_tokens: int) -> bool:
+        """Whether a step that computes ``num_new_tokens`` more tokens (from
+        ``num_computed_tokens``; a verify's drafts included) reaches the last token, so that it
+        samples the next one: every decode, a prefill's last chunk, never a chunk mid-prompt.
+        The one rule of ``SchedulerOutput.sampled_seqs``, the model runner's sampled rows and
+        the simulator's cost model; read before the step's postprocess."""
+        return self.num_computed_tokens + num_new_tokens >= len(self.token_ids)

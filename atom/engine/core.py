@@ -64,6 +64,7 @@ import torch
 from atom.core.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.core.kv_connector import KVConnectorScheduler, KVLayout
+from atom.layers.moe import ExpertShard
 from atom.messages import (
     EngineCoreRequest,
     EngineRuntime,
@@ -74,7 +75,7 @@ from atom.messages import (
 )
 from atom.worker.sampler import Sampler, top_logprobs
 from atom.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from atom.core.sequence import FinishReason, Sequence, SequenceStatus
+from atom.core.sequence import FinishReason, Sequence
 from atom.worker.tbo import can_split
 
 logger = logging.getLogger(__name__)
@@ -138,23 +139,28 @@ class EngineCore:
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
                            "will be preempted or cut", num_blocks * config.block_size, max_model_len)
+        # under expert parallelism every rank reads and holds only its own experts
+        expert_shard = (ExpertShard(dp_rank, config.data_parallel_size)
+                        if config.enable_expert_parallel else None)
         self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=max_model_len,
                                   moe_split_experts=config.moe_split_experts,
-                                  quantized_weights=blocks)
+                                  quantized_weights=blocks, expert_shard=expert_shard)
         del weights, blocks  # the model holds its own copies (or none: tiled GGUF linears)
         if config.enable_expert_parallel and not self.is_moe:
             raise ValueError("--enable-expert-parallel needs an MoE model: load one (e.g. a "
-                             "Mixtral folder) or split a dense one with --moe-split-experts E")
+                             "Qwen3-MoE or Mixtral folder) or split a dense one with "
+                             "--moe-split-experts E")
         eos = tuple(sorted(set(arch.eos_token_ids) | set(extra_eos_token_ids)))
         self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                      vocab_size=arch.vocab_size, eos_token_ids=eos,
-                                     kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name)
+                                     kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name,
+                                     num_experts=self.num_experts)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.kv_connector = _start_kv_connector(config, self.runner, dp_rank, KVLayout(
-            dtype=dtype_name, block_size=config.block_size, num_kv_heads=arch.num_key_value_heads,
-            head_dim=arch.head_dim, num_layers=arch.num_hidden_layers))
+            architecture=arch.architecture, dtype=dtype_name, block_size=config.block_size,
+            layers=tuple(self.runner.kv_cache_specs)))
         draft_runner = None if draft is None else ModelRunner(
             *draft, dtype=dtype, num_kv_blocks=num_blocks, block_size=config.block_size,
             max_model_len=max_model_len)
@@ -166,7 +172,7 @@ class EngineCore:
             connector=None if self.kv_connector is None else KVConnectorScheduler(
                 config.kv_role, block_size=config.block_size, host=config.kv_transfer_host,
                 port=self.kv_connector.port))
-        self.sampler = Sampler(eos, seed=config.seed)
+        self.sampler = Sampler(eos, seed=config.seed, dp_rank=dp_rank)
         self.rejection_sampler = self.spec_stats = None
         if config.speculative_method is not None:
             from atom.worker.rejection_sampler import RejectionSampler
@@ -183,6 +189,15 @@ class EngineCore:
         logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
                     "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
                     num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
+
+    @property
+    def num_experts(self) -> int | None:
+        """Experts of each MoE layer, over all ranks (before any expert-parallel sharding);
+        None for a dense model."""
+        from atom.layers.moe import moe_layers
+
+        layers = moe_layers(self.runner.model)
+        return layers[0].num_experts if layers else None
 
     @property
     def is_moe(self) -> bool:
@@ -202,7 +217,7 @@ class EngineCore:
         seqs = [Sequence(request.request_id, list(request.prompt_token_ids), params, index=i,
                          arrival_time_s=request.arrival_time_s) for i in range(params.n)]
         if request.resumed is not None:
-            error = _resume(seqs, request.resumed)
+            error = _resume(self.scheduler, seqs, request.resumed)
             if error is not None:
                 self._pending += [_finish_output(seq, FinishReason.ERROR, error=error)
                                   for seq in seqs]
@@ -245,9 +260,7 @@ class EngineCore:
         if error is not None:
             return error
         for seq in seqs:
-            seq.kv_transfer_params = params
-            if params.do_remote_prefill:
-                seq.token_ids.append(params.first_token_id)
+            self.scheduler.attach_kv_transfer_params(seq, params)
         return None
 
     def fail_request(self, request_id: str, num_seqs: int, error: str) -> None:
@@ -409,52 +422,47 @@ class EngineCore:
     def _execute(self, sched: SchedulerOutput, two_batch_overlap: bool) -> list[SeqOutput]:
         model_out = self.runner.execute_model(sched.scheduled, two_batch_overlap=two_batch_overlap)
         by_id = {seq.seq_id: seq for seq, _ in sched.scheduled}
-        sampled_seqs = [by_id[i] for i in model_out.sampled_seq_ids]
+        seqs = [by_id[i] for i in model_out.sampled_seq_ids]
         self._record_prompt_logprobs(model_out.prompt_logits, by_id)
-        if not sampled_seqs:
+        if not seqs:
             self.scheduler.postprocess(sched, {})
             return []
         if model_out.num_rows is not None:
-            return self._verify(sched, model_out.logits, sampled_seqs)
-        sampled = self.sampler(model_out.logits, sampled_seqs)
-        self.scheduler.postprocess(sched, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
-        outputs = []
-        for row, seq in enumerate(sampled_seqs):
-            logprobs = sampled.logprobs[row]
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs)
-            seq.cumulative_logprob += sampled.sampled_logprobs[row]
-            outputs.append(self._seq_output(seq, [seq.token_ids[-1]],
-                                            None if logprobs is None else [logprobs]))
-        self._forget_finished(sampled_seqs)
+            return self._verify(sched, model_out.logits, seqs)
+        sampled = self.sampler(model_out.logits, seqs)
+        self.scheduler.postprocess(sched, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)),
+                                   dict(zip(model_out.sampled_seq_ids, sampled.sampled_logprobs)))
+        outputs = [self._seq_output(seq, [seq.token_ids[-1]], None if top is None else [top])
+                   for seq, top in zip(seqs, sampled.logprobs)]
+        self._forget_finished(seqs)
         return outputs
 
     def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, seqs: list[Sequence]
                 ) -> list[SeqOutput]:
         """The rest of a speculative step: verify every sampled sequence's drafts (none for a
-        prefill's last chunk or a decode without drafts: one sampled token), append what each
-        keeps (cut at its first stop), count the verifies, build the outputs."""
+        prefill's last chunk or a decode without drafts: one sampled token), have the
+        scheduler append what each keeps (cut at its first stop), count the verifies, build
+        the outputs."""
         drafts = [seq.spec_token_ids for seq in seqs]
         verified = self.rejection_sampler(logits, seqs, drafts)
         num_before = [len(seq.token_ids) for seq in seqs]
+        spec = sched.spec_budget
         self.scheduler.postprocess(sched, {
-            seq.seq_id: tokens if seq.seq_id in sched.spec_budget else tokens[0]
-            for seq, tokens in zip(seqs, verified.token_ids)})
+            seq.seq_id: tokens if seq.seq_id in spec else tokens[0]
+            for seq, tokens in zip(seqs, verified.token_ids)}, {
+            seq.seq_id: logprobs if seq.seq_id in spec else logprobs[0]
+            for seq, logprobs in zip(seqs, verified.sampled_logprobs)})
         stats = self.spec_stats
         stats.num_verify_steps += 1
         outputs = []
         for row, seq in enumerate(seqs):
             num_new = len(seq.token_ids) - num_before[row]
-            logprobs = verified.logprobs[row][:num_new]
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs += logprobs
-            seq.cumulative_logprob += sum(verified.sampled_logprobs[row][:num_new])
             if drafts[row]:
                 stats.record(num_drafts=len(drafts[row]), num_accepted=len(verified.token_ids[row]) - 1,
                              num_emitted=num_new)
             outputs.append(self._seq_output(seq, seq.token_ids[len(seq.token_ids) - num_new:],
-                                            logprobs if seq.sampling_params.logprobs is not None
-                                            else None))
+                                            verified.logprobs[row][:num_new]
+                                            if seq.sampling_params.logprobs is not None else None))
         every = self.config.spec_log_every_steps
         if every and stats.num_verify_steps % every == 0:
             logger.info(stats.summary())
@@ -654,19 +662,17 @@ def _start_kv_connector(config: EngineConfig, runner, dp_rank: int, layout: KVLa
                           pull_timeout_s=config.kv_transfer_timeout_s)
 
 
-def _resume(seqs: list[Sequence], resumed: list[ResumedChoice]) -> str | None:
-    """Give each sequence of a resumed request (:class:`~atom.messages.ResumedChoice`) the
-    output tokens it had: it then runs like a sequence preempted by recompute (prompt and
-    outputs prefilled together, then decoding on). A finished choice is marked finished and
-    not run. Returns an error when ``resumed`` does not match the request's choices."""
+def _resume(scheduler: Scheduler, seqs: list[Sequence], resumed: list[ResumedChoice]) -> str | None:
+    """Have ``scheduler`` give each sequence of a resumed request
+    (:class:`~atom.messages.ResumedChoice`) the output tokens it had
+    (:meth:`~atom.core.scheduler.Scheduler.resume`). Returns an error when ``resumed`` does not
+    match the request's choices."""
     if len(resumed) != len(seqs):
         return (f"the resumed request has {len(resumed)} choices' progress for n={len(seqs)}: "
                 f"a front-end bug")
     for seq, choice in zip(seqs, resumed):
-        seq.token_ids += choice.output_token_ids  # num_prompt_tokens stays the prompt's
-        seq.cumulative_logprob = choice.cumulative_logprob
-        if choice.finished:
-            seq.status = SequenceStatus.FINISHED
+        scheduler.resume(seq, choice.output_token_ids, cumulative_logprob=choice.cumulative_logprob,
+                         finished=choice.finished)
     return None
 
 

@@ -44,7 +44,7 @@ import itertools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -54,6 +54,7 @@ from atom.engine.kv_subscriber import PublisherEndpoints
 from atom.engine.liveness import (
     DEAD,
     EngineDeadError,
+    EngineStartError,
     HeartbeatMonitor,
     RankFailedError,
     RankFailure,
@@ -69,19 +70,20 @@ from atom.messages import (
     ReadyMessage,
     SeqOutput,
     Shutdown,
+    StartupFailed,
     UtilityCall,
     UtilityResult,
     decode_output,
     encode,
 )
-from atom.engine.spawned_ranks import SHUTDOWN_GRACE_S, SpawnedRanks, core_argv
+from atom.engine.spawned_ranks import SHUTDOWN_GRACE_S, RankProcesses, SpawnedRanks, core_argv
 
 if TYPE_CHECKING:
     from atom.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineCoreClient", "EngineDeadError", "InprocClient", "MPClient", "RankFailedError",
+__all__ = ["EngineCoreClient", "EngineDeadError", "EngineStartError", "InprocClient", "MPClient", "RankFailedError",
            "RankProcesses", "SpawnedRanks", "core_argv", "merge_rank_results"]
 
 POLL_SLICE_S = 0.1  # how often a wait checks that the core processes are alive
@@ -241,46 +243,6 @@ class InprocClient(EngineCoreClient):
         self.core.close()
 
 
-class RankProcesses(Protocol):
-    """Who starts and watches a client's core processes (:class:`SpawnedRanks`, or the DP
-    client's ``LaunchedRanks``)."""
-
-    def address(self, name: str) -> str:
-        """Where the client binds socket ``name`` (``output``, ``input0``, ...)."""
-
-    def start(self, config: EngineConfig, *, input_addrs: list[str], output_addr: str,
-              extra_eos_token_ids: tuple[int, ...]) -> None:
-        """Start (or tell) every rank; each connects and sends its ready message."""
-
-    def is_alive(self) -> bool: ...
-
-    def exited(self) -> list[tuple[int, str]]:
-        """``(dp rank, what happened)`` of every rank known to have exited."""
-
-    def dead_message(self) -> str | None:
-        """None while every rank runs; else which one exited, how, and its stderr tail."""
-
-    def kill(self, dp_ranks: list[int]) -> None:
-        """Kill these (hung) ranks now, where this object can."""
-
-    def successor(self, error: RankFailedError, *, policy: str) -> RankProcesses | None:
-        """The ranks of the group after ``error`` under ``on_rank_failure=policy`` (``slots``:
-        one per rank), or None when the deployment cannot go on. Returning ``self`` means the
-        same ranks come back on the same sockets (a launcher restarts them)."""
-
-    def on_ready(self, pids: list[int]) -> None:
-        """Every rank sent its ready message; ``pids`` in rank order."""
-
-    def abandon(self) -> None:
-        """After a failure, before the successor starts: make sure no process of this group
-        is left (spawned: SIGKILL and reap)."""
-
-    def stop(self) -> None:
-        """After the Shutdown messages: make sure every rank exits."""
-
-    def cleanup(self) -> None: ...
-
-
 class _Sockets:
     """The client's sockets for one group, and the ranks they talk to (what the finalizer
     releases; it holds no reference to the client)."""
@@ -319,8 +281,10 @@ class MPClient(EngineCoreClient):
         num_ranks, config: the current group's size and options (a shrunk group has fewer).
 
     Raises:
-        RuntimeError: a process exited during start-up (rank, exit code and stderr tail in the
-            message) or sent no ready message within ``startup_timeout_s``.
+        EngineStartError: a core raised during start-up (one line: the rank and the cause).
+        RuntimeError: a process exited during start-up without saying why (rank, exit code
+            and stderr tail in the message) or sent no ready message within
+            ``startup_timeout_s``.
         zmq.ZMQError: an address cannot be bound.
     """
 
@@ -511,6 +475,10 @@ class MPClient(EngineCoreClient):
                 message = decode_output(output.recv())
                 if isinstance(message, ReadyMessage):
                     ready[message.dp_rank] = message
+                elif isinstance(message, StartupFailed):
+                    which = "" if self.num_ranks == 1 else f" of dp rank {message.dp_rank}"
+                    raise EngineStartError(f"the engine core{which} failed to start: "
+                                           f"{message.error}")
                 elif not isinstance(message, Heartbeat):  # a ready rank beats while others load
                     logger.debug("ignored %s before the ready messages", type(message).__name__)
                 continue
@@ -525,7 +493,12 @@ class MPClient(EngineCoreClient):
         return messages[0].runtime
 
     def _send(self, rank: int, message: CoreInput) -> None:
-        data = encode(message)  # encode first: a bad value fails here, before anything is sent
+        # encode first: a bad value fails here, before anything is sent
+        self._send_frame(rank, encode(message))
+
+    def _send_frame(self, rank: int, data: bytes) -> None:
+        """Send an encoded :data:`~atom.messages.CoreInput` to ``rank``'s core (waiting in
+        slices while its queue is full, raising once a rank has failed)."""
         sock = self._sockets.inputs[rank]
         while True:
             self._raise_if_failed(check=False)

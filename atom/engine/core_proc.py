@@ -23,8 +23,12 @@ Lifecycle and exit codes:
 - :class:`~atom.messages.Shutdown` (or SIGTERM) → exit 0; the parent gone → exit 0 (the busy
   loop notices; before it runs, :func:`atom.engine.parent_watch.watch_parent`, started first thing,
   turns the parent's death into a SIGTERM);
-- an exception in start-up or the loop → the traceback on stderr, nothing more is sent,
-  exit 1. A client notices the exit code (``EngineDeadError``).
+- an exception in start-up → one :class:`~atom.messages.StartupFailed` (the cause in one
+  line; the client raises it as :class:`~atom.engine.liveness.EngineStartError`), the
+  traceback in the log at DEBUG only (the front end shows the line; ``--log-level DEBUG``
+  shows both), exit 1;
+- an exception in the loop → the traceback on stderr, nothing more is sent, exit 1. A client
+  notices the exit code (``EngineDeadError``).
 
 SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the front end
 owns the lifecycle (it sends Shutdown on its way out).
@@ -57,6 +61,7 @@ from atom.messages import (
     SeqOutput,
     Shutdown,
     StartWave,
+    StartupFailed,
     UtilityCall,
     UtilityResult,
     decode_input,
@@ -71,6 +76,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # idle wake-up period, only to notice that the parent died
+_STARTUP_FAILED_SEND_MS = 2000  # how long a failed core tries to hand its error over
+# whether this process sent its ready message: an exception before it is a start-up failure
+# (reported to the front end as one line), after it a failure of the loop
+_ready_sent = False
 
 
 class ShutdownRequested(BaseException):
@@ -121,6 +130,8 @@ class EngineCoreProc:
     def send_ready(self) -> None:
         """The ready message, then the heartbeats start (the front end watches them from the
         ready message on)."""
+        global _ready_sent
+        _ready_sent = True
         pub = self.core.kv_event_publisher
         self._output.send(encode(ReadyMessage(
             dp_rank=self.dp_rank, runtime=self.core.runtime,
@@ -234,11 +245,14 @@ def run_process(argv: list[str] | None, body: Callable[[argparse.Namespace], Non
     logging, then ``body(args)`` (``args.config`` is the parsed :class:`EngineConfig`).
 
     Returns the exit code: 0 after a clean shutdown (Shutdown, SIGTERM, the parent gone), 1
-    when start-up or the loop raised (the traceback is logged on stderr).
+    when start-up or the loop raised (module docstring: a start-up failure goes to the front
+    end as one line, the traceback to the log at DEBUG; a loop failure's traceback is logged
+    on stderr).
     """
     watch_parent()  # first: a front end that dies before ready must not leave us running
     install_signal_handlers()
     rank_label = os.environ.get("RANK", "0")
+    args = None
     try:
         args = parse_args(argv)
         logging.basicConfig(level=args.log_level.upper(),
@@ -246,10 +260,42 @@ def run_process(argv: list[str] | None, body: Callable[[argparse.Namespace], Non
         body(args)
     except ShutdownRequested:
         logger.info("[dp%s] SIGTERM: shutting down", rank_label)
-    except Exception:
-        logger.exception("engine core (dp rank %s) failed; exiting", rank_label)
+    except Exception as exc:
+        if not _ready_sent and args is not None and _report_startup_failure(
+                args.output_addr, int(rank_label), exc):
+            logger.debug("engine core (dp rank %s) failed to start", rank_label, exc_info=True)
+        else:
+            logger.exception("engine core (dp rank %s) failed; exiting", rank_label)
         return 1
     return 0
+
+
+def startup_error_text(exc: BaseException) -> str:
+    """``exc`` as one line for people: its message (lines joined), prefixed with the
+    exception's type unless it is a ``ValueError`` or ``OSError`` (atom's errors for bad
+    options and files, whose messages say what to change)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if isinstance(exc, (ValueError, OSError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _report_startup_failure(output_addr: str, dp_rank: int, exc: BaseException) -> bool:
+    """Send :class:`StartupFailed` to the front end on a socket of its own (the core's may
+    not exist yet); True once ZMQ has handed it over within ``_STARTUP_FAILED_SEND_MS``."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDTIMEO, _STARTUP_FAILED_SEND_MS)
+        sock.setsockopt(zmq.LINGER, _STARTUP_FAILED_SEND_MS)
+        sock.connect(output_addr)
+        sock.send(encode(StartupFailed(dp_rank=dp_rank, error=startup_error_text(exc))))
+        sock.close()  # lingers until the frame is out (or the linger ends)
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        ctx.term()
 
 
 def _run_one_rank(args: argparse.Namespace) -> None:

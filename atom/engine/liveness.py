@@ -56,6 +56,13 @@ def pid_running(pid: int) -> bool:
         return False
 
 
+class EngineStartError(RuntimeError):
+    """An engine core raised during start-up and said why (its
+    :class:`~atom.messages.StartupFailed`): the message is one line, naming the rank when
+    there are several, e.g. ``the engine core failed to start: KeyError: 'lm_head.weight'``.
+    The core's traceback is in its log at DEBUG (``--log-level DEBUG``)."""
+
+
 class EngineDeadError(RuntimeError):
     """An engine-core process exited (or hung) while the front end still needed it, and the
     deployment cannot go on (the message says which rank and why)."""

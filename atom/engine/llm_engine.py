@@ -89,16 +89,24 @@ class LLMEngine:
             pass the DP client's factory.
 
     Raises:
-        ValueError: invalid options, a model that cannot be loaded, or
+        ValueError: invalid options, a model whose files cannot be loaded or whose architecture
+            atom does not run (found before any process starts:
+            :func:`atom.engine.preflight.check_model_files`), or
             ``data_parallel_size > 1`` without a ``client_factory``.
-        RuntimeError: an engine-core process failed to start.
+        FileNotFoundError: the model path, or its weight files, do not exist.
+        EngineStartError: an engine core failed to start (a ``RuntimeError``: one line
+            naming the rank and the cause).
+        RuntimeError: an engine-core process died during start-up without saying why (its
+            exit code and stderr tail).
     """
 
     def __init__(self, config: EngineConfig, *,
                  client_factory: Callable[[EngineConfig, tuple[int, ...]], EngineCoreClient]
                  | None = None):
+        from atom.engine.preflight import check_model_files
         from atom.worker.model_loader import load_tokenizer
 
+        check_model_files(config)  # before the tokenizer and any process
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         # The core has no tokenizer: the tokenizer's EOS id travels to it from here.

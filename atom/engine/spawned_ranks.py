@@ -1,4 +1,5 @@
-"""SpawnedRanks: the engine-core processes a client starts itself on this node.
+"""SpawnedRanks: the engine-core processes a client starts itself on this node; and
+RankProcesses, the base of every way a client's ranks are started.
 
 One ``python -m ENTRY_MODULE`` process per rank, over ``ipc://`` sockets in a fresh temporary
 folder (so two deployments on one machine never collide), with the rank contract in each
@@ -16,6 +17,7 @@ GPU machine): a shrunk group keeps the survivors' slots, so a broken device is n
 
 from __future__ import annotations
 
+import abc
 import collections
 import json
 import logging
@@ -40,7 +42,68 @@ SHUTDOWN_GRACE_S = 5.0  # after Shutdown, before SIGTERM; and after SIGTERM, bef
 _STDERR_TAIL_LINES = 40
 
 
-class SpawnedRanks:
+class RankProcesses(abc.ABC):
+    """Who starts and watches a client's core processes (:class:`SpawnedRanks`, or the DP
+    client's ``LaunchedRanks``): the base of both, with what they share.
+
+    Attributes:
+        slots: the node-local slot of each rank (set by :meth:`start` at the latest).
+    """
+
+    slots: list[int] | None
+
+    @abc.abstractmethod
+    def address(self, name: str) -> str:
+        """Where the client binds socket ``name`` (``output``, ``input0``, ...)."""
+
+    @abc.abstractmethod
+    def start(self, config: EngineConfig, *, input_addrs: list[str], output_addr: str,
+              extra_eos_token_ids: tuple[int, ...]) -> None:
+        """Start (or tell) every rank; each connects and sends its ready message."""
+
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """Every rank is known to run."""
+
+    @abc.abstractmethod
+    def exited(self) -> list[tuple[int, str]]:
+        """``(dp rank, what happened)`` of every rank known to have exited."""
+
+    def dead_message(self) -> str | None:
+        """None while every rank runs; else what happened to the first that exited (how, and
+        where its error is: a spawned rank's stderr tail, or the launcher's report)."""
+        exited = self.exited()
+        return exited[0][1] if exited else None
+
+    @abc.abstractmethod
+    def kill(self, dp_ranks: list[int]) -> None:
+        """Kill these (hung) ranks now, where this object can."""
+
+    @abc.abstractmethod
+    def successor(self, error: RankFailedError, *, policy: str) -> RankProcesses | None:
+        """The ranks of the group after ``error`` under ``on_rank_failure=policy`` (``slots``:
+        one per rank), or None when the deployment cannot go on. Returning ``self`` means the
+        same ranks come back on the same sockets (a launcher restarts them)."""
+
+    @abc.abstractmethod
+    def on_ready(self, pids: list[int]) -> None:
+        """Every rank sent its ready message; ``pids`` in rank order."""
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """After a failure, before the successor starts: make sure no process of this group
+        is left (spawned: SIGKILL and reap)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """After the Shutdown messages: make sure every rank exits."""
+
+    @abc.abstractmethod
+    def cleanup(self) -> None:
+        """Release what the group held on this machine (spawned: its socket folder)."""
+
+
+class SpawnedRanks(RankProcesses):
     """The core processes of one group (module docstring); removes its folder in
     :meth:`cleanup`.
 
@@ -111,11 +174,6 @@ class SpawnedRanks:
                 out.append((rank, f"process {p.pid} (dp rank {rank}) exited, {how}; stderr "
                                   f"tail:\n{tail}"))
         return out
-
-    def dead_message(self) -> str | None:
-        """None while every rank runs; else which one exited, how, and its stderr tail."""
-        exited = self.exited()
-        return exited[0][1] if exited else None
 
     def kill(self, dp_ranks: list[int]) -> None:
         """SIGKILL these ranks now (a hung process cannot be trusted to exit on a signal it can

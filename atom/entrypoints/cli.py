@@ -3,7 +3,9 @@
 - ``atom generate --prompt TEXT [--prompt TEXT ...]``: one prompt streams its completion as it
   is generated (Ctrl-C stops it, keeping what was printed); several run as one batch and print
   in order, each under a ``[i/N]`` label (``--chat`` wraps each prompt as a user message
-  through the chat template).
+  through the chat template). ``--prompt-token-ids 1,2,3`` (or a JSON file of ids) gives
+  prompts as token ids instead; with ``--skip-tokenizer-init`` (a model folder without
+  tokenizer files) the outputs print as token ids too.
 - ``atom chat``: interactive; each line you type is a user turn, the reply streams as it is
   generated; Ctrl-C stops the reply (the session goes on), Ctrl-C at the prompt or EOF (Ctrl-D)
   ends the session (exit code 0). Sampling defaults to what the model's files recommend
@@ -20,6 +22,9 @@ stderr and exit code 2; ``--log-level DEBUG`` shows the traceback too.
   ``atom bench serve ...``: the serving benchmark (:mod:`atom.benchmarks.serving`);
   ``atom bench multinode ...``: the multi-node benchmark driver (:mod:`atom.benchmarks.multinode`).
 - ``atom sim run | sweep | calibrate | workload``: the DP/EP simulator (:mod:`atom.dp.sim.cli`).
+- ``atom models``: the supported architectures (:data:`atom.models.MODEL_REGISTRY`) and how to
+  serve a Hugging Face folder of one. An engine command given a model of another architecture
+  stops in one line before it starts any process (:mod:`atom.engine.preflight`).
 
 Every subcommand takes all engine options (``--model``, ``--dtype``, ``--max-model-len``,
 ``--num-kv-blocks``, ...), generated from :class:`atom.config.EngineConfig`. ``--seed`` seeds the
@@ -29,12 +34,15 @@ engine and, for ``generate`` and ``chat``, the requests, so a run is reproducibl
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import pathlib
+import re
 import signal
 import sys
 from dataclasses import fields
 
-from atom.config import EngineConfig, add_engine_args
+from atom.config import ArgumentParser, EngineConfig, HelpFormatter, add_engine_args
 from atom.sampling_params import SamplingParams
 
 _DEFAULT_MAX_TOKENS = 256
@@ -81,23 +89,77 @@ def _make_llm(args: argparse.Namespace):
     return LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
 
 
+def _token_ids_arg(text: str) -> list[list[int]]:
+    """``--prompt-token-ids``: comma-separated ids (one prompt), or a JSON file holding a list
+    of ids (one prompt) or a list of such lists (several)."""
+    if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
+        return [[int(t) for t in text.split(",")]]
+    path = pathlib.Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither comma-separated token ids (1,2,3) nor a JSON file")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{path} is not valid JSON ({exc})") from exc
+    prompts = data if data and all(isinstance(p, list) for p in data) else [data]
+    if not all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p)
+               for p in prompts):
+        raise argparse.ArgumentTypeError(
+            f"{path} must hold a list of token ids ([1, 2, 3]) or a list of such lists")
+    return prompts
+
+
+def _prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
+    """The prompts of ``atom generate``, checked before the engine starts.
+
+    Raises:
+        ValueError: ``--chat`` with token ids, or text prompts with ``--skip-tokenizer-init``.
+    """
+    if args.prompt_token_ids:
+        if args.chat:
+            raise ValueError("--chat wraps text in the chat template: give --prompt TEXT, not "
+                             "--prompt-token-ids")
+        return [ids for group in args.prompt_token_ids for ids in group]
+    if args.skip_tokenizer_init:
+        raise ValueError("--skip-tokenizer-init leaves no tokenizer for --prompt TEXT: give "
+                         "token ids with --prompt-token-ids 1,2,3 (or a JSON file)")
+    return args.prompt
+
+
+def _print_dp_summary(llm) -> None:
+    from atom.dp.run_summary import print_dp_summary
+
+    print_dp_summary(llm.engine)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
+    prompts = _prompts(args)
     llm = _make_llm(args)
-    prompts = args.prompt
+    rc = _generate(llm, args, prompts, params)
+    _print_dp_summary(llm)  # errors propagate without it: they are the last line
+    return rc
+
+
+def _generate(llm, args: argparse.Namespace, prompts: list, params: SamplingParams) -> int:
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    if len(prompts) == 1:
+    has_tokenizer = llm.get_tokenizer() is not None
+    if len(prompts) == 1 and has_tokenizer:
         return _stream_one(llm, prompts[0], params)
     rc = 0
     for i, out in enumerate(llm.generate(prompts, params), start=1):
         completion = out.outputs[0]
-        print(f"[{i}/{len(prompts)}]", flush=True)
+        if len(prompts) > 1:
+            print(f"[{i}/{len(prompts)}]", flush=True)
         if completion.finish_reason == "error":
             print(f"atom generate: error: {completion.error}", file=sys.stderr)
             rc = 1
-        else:
+        elif has_tokenizer:
             print(completion.text, flush=True)
+        else:  # no tokenizer: the ids, in the form --prompt-token-ids takes
+            print(",".join(map(str, completion.token_ids)), flush=True)
     return rc
 
 
@@ -122,6 +184,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # non-interactive shell's background job, or of a test runner): Python only installs its
     # KeyboardInterrupt handler at start-up when SIGINT is not ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    llm = None
     try:
         params = _sampling_params(args, _chat_sampling_defaults(args.model))
         llm = _make_llm(args)
@@ -143,6 +206,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 conversation.append({"role": "assistant", "content": reply})
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session, not an error
         print(flush=True)
+    if llm is not None:
+        _print_dp_summary(llm)
     return 0
 
 
@@ -163,17 +228,34 @@ def _chat_turn(llm, conversation: list[dict], params: SamplingParams) -> str | N
     return "".join(reply)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from atom.models import MODEL_REGISTRY
+
+    width = max(len(name) for name in MODEL_REGISTRY)
+    print(f"{'architecture':<{width}}  {'model file':<22}  covers")
+    for name, entry in sorted(MODEL_REGISTRY.items()):
+        print(f"{name:<{width}}  {'atom/models/' + entry.module + '.py':<22}  {entry.description}")
+    print("\nServe a Hugging Face folder (config.json with one of these architectures, "
+          "*.safetensors, tokenizer files):\n  atom serve --model /path/to/folder")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from atom.benchmarks import offline as bench
 
-    parser = argparse.ArgumentParser(prog="atom", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="atom", description=__doc__.split("\n\n")[0])
     parser.set_defaults(runs_engine=False)  # add_engine_args sets it on the engine commands
     sub = parser.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
 
     gen = sub.add_parser("generate", help="generate completions for prompts", formatter_class=fmt)
-    gen.add_argument("--prompt", action="append", required=True,
-                     help="prompt text (repeat for a batch)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    prompt.add_argument("--prompt-token-ids", action="append", type=_token_ids_arg,
+                        metavar="IDS|FILE",
+                        help="a prompt as token ids: 1,2,3, or a JSON file with a list of ids "
+                             "or a list of such lists (repeat for a batch); outputs print as "
+                             "token ids with --skip-tokenizer-init")
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the chat template")
     _add_sampling_args(gen)
@@ -209,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     from atom.dp.sim.cli import add_sim_parser
 
     add_sim_parser(sub, fmt)
+    models = sub.add_parser("models", help="list the supported model architectures")
+    models.set_defaults(func=cmd_models)
     return parser
 
 
@@ -219,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         from atom.launch.launcher import main as launch_main
 
         return launch_main(argv[1:], prog="atom launch")
+    from atom.engine.liveness import EngineStartError
     from atom.entrypoints import launched
     from atom.launch.env import rank_env_present
 
@@ -237,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 return launched.run_launched_rank(argv, EngineConfig.from_kwargs(
                     **{f.name: getattr(args, f.name) for f in fields(EngineConfig)}))
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # a bad option or input: one line, like argparse
+    except (ValueError, FileNotFoundError, EngineStartError) as exc:
+        # a bad option or input, or what an engine core found at start-up: one line
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             raise
         print(f"atom {args.command}: error: {exc}", file=sys.stderr)

@@ -122,6 +122,7 @@ def run_launched_rank(argv: list[str], config: EngineConfig) -> int:
     from atom.dp.dp_core_proc import run_rank as run_dp_rank
     from atom.dp.groups import RankInfo
     from atom.engine.llm_engine import tokenizer_eos_token_ids
+    from atom.engine.preflight import check_model_files
     from atom.engine.core_proc import ShutdownRequested, install_signal_handlers
     from atom.launch.endpoints import lookup_endpoint, publish_endpoint
     from atom.worker.model_loader import load_tokenizer
@@ -134,6 +135,7 @@ def run_launched_rank(argv: list[str], config: EngineConfig) -> int:
     starts_front_end = info.rank == 0 and info.restart_count == 0
     front_end, announcements = _start_front_end(argv) if starts_front_end else (None, None)
     try:
+        check_model_files(config)  # the front end checks too; this rank loads the tokenizer
         extra_eos = () if config.skip_tokenizer_init else tokenizer_eos_token_ids(
             load_tokenizer(config.model))
 

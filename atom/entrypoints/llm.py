@@ -33,8 +33,11 @@ def build_engine(config: EngineConfig):
     builds its engine here.
 
     Raises:
-        ValueError: invalid options or a model that cannot be loaded.
-        RuntimeError: an engine-core process failed to start.
+        ValueError: invalid options or a model that cannot be loaded (found before any process
+            starts: :func:`atom.engine.preflight.check_model_files`).
+        EngineStartError: an engine core failed to start and said why (one line; a
+            ``RuntimeError``).
+        RuntimeError: an engine-core process died during start-up (exit code, stderr tail).
     """
     from atom.engine.llm_engine import LLMEngine
 
@@ -75,8 +78,12 @@ class LLM:
             (:mod:`atom.dp`), with requests routed by ``dp_load_balance``.
 
     Raises:
-        TypeError: an unknown option. ValueError: an invalid option value.
-        RuntimeError: the engine-core process failed to start (its exit code and stderr tail).
+        TypeError: an unknown option. ValueError: an invalid option value, or model files that
+            cannot be loaded. FileNotFoundError: the model path does not exist.
+        EngineStartError: an engine core failed to start and said why, in one line
+            (:class:`atom.engine.liveness.EngineStartError`, a ``RuntimeError``).
+        RuntimeError: an engine-core process died during start-up (its exit code and stderr
+            tail).
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any):

@@ -31,6 +31,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from atom.entrypoints.openai.cli_args import tcp_port
+
 logger = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("authorization", "x-session-id")
@@ -64,7 +66,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], *, timeout_s: flo
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
-    from atom.entrypoints.openai.api_server import _respond
+    from atom.entrypoints.openai.api_server import respond
 
     state: dict[str, Any] = {}
     prefill, decode = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
@@ -123,11 +125,11 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], *, timeout_s: flo
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _respond(request, handle("/v1/completions", request))
+        return await respond(request, handle("/v1/completions", request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _respond(request, handle("/v1/chat/completions", request))
+        return await respond(request, handle("/v1/chat/completions", request))
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -178,7 +180,7 @@ def add_pd_proxy_parser(subparsers, formatter_class=argparse.ArgumentDefaultsHel
     parser.add_argument("--decode", type=_urls, required=True,
                         help="decode instances (atom serve --kv-role consumer), comma-separated")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to bind")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="TCP port to bind")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a forwarded request may take")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (stderr)")
@@ -193,12 +195,15 @@ def run_proxy(args: argparse.Namespace) -> int:
     """
     import uvicorn
 
-    from atom.entrypoints.openai.api_server import bind_listener
+    from atom.entrypoints.openai.api_server import AnnouncingServer, bind_listener, url_of
 
     listener = bind_listener(args.host, args.port)
     app = build_app(args.prefill, args.decode, timeout_s=args.timeout)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level.lower(), access_log=False))
+    banner = (f"serving on {url_of(args.host, args.port)} (P/D proxy over "
+              f"{len(args.prefill)} prefill and {len(args.decode)} decode instance(s))")
+    server = AnnouncingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                             log_level=args.log_level.lower(),
+                                             access_log=False), banner=banner)
     try:
         server.run(sockets=[listener])
     finally:

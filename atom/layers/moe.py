@@ -2,10 +2,14 @@
 
 A :class:`MoE` layer replaces a dense MLP: a router (linear ``[E, hidden]``) scores every token,
 the top-k experts are chosen, and each chosen expert (a SiLU-gated MLP) contributes its output
-times its gate. Gates: ``"softmax"`` — softmax over all experts in float32, top-k, renormalized
-over the k (Mixtral, Mistral AI 2024, arXiv:2401.04088; Qwen-MoE with ``norm_topk_prob``), or
-``"unit"`` — every chosen expert weighs 1 (model (a) of docs/ARCHITECTURE.md: a dense MLP split along its
-intermediate dimension, every token to all experts, which sums back to the dense MLP).
+times its gate. Routing functions (small, tested one by one in tests/layers/test_moe.py):
+
+- :func:`softmax_topk`: softmax over all experts in float32, top-k, renormalized over the k when
+  ``renormalize`` (Mixtral, Mistral AI 2024, arXiv:2401.04088: always; Qwen3-MoE: iff its
+  config's ``norm_topk_prob``);
+- :func:`unit_routing`: every token to the first k experts with gate 1 (model (a) of
+  docs/ARCHITECTURE.md: a dense MLP split along its intermediate dimension, every token to all
+  experts, which sums back to the dense MLP).
 
 The forward is four stages, so an executor can interleave them across micro-batches
 (:mod:`atom.worker.tbo`, which uses the ``*_async`` forms of dispatch and combine)::
@@ -15,19 +19,27 @@ The forward is four stages, so an executor can interleave them across micro-batc
     partial = self.experts(tokens, ids, gates)  # this rank's experts only
     y = self.combine(partial)           # sum over ranks, back to this rank's tokens
 
-On one rank ``dispatch`` and ``combine`` are the identity and every expert is local. Expert
-parallelism (:func:`atom.dp.expert_parallel.apply_expert_parallel`) keeps only a slice of the
-experts on each rank and installs a :class:`Dispatcher` that moves tokens between ranks; the
-model code has no expert-parallel branches.
+(:meth:`MoE.forward_overlapped` is that sequence as a generator that yields at each collective.)
+
+On one rank ``dispatch`` and ``combine`` are the identity and every expert is local. Under expert
+parallelism each rank holds only its slice of the experts (:func:`expert_range`): built so at load
+(:class:`ExpertShard`; :func:`load_expert_weights` reads only that slice of the checkpoint, in
+either layout), or cut later by :meth:`MoE.shard_experts`; and
+:func:`atom.dp.expert_parallel.apply_expert_parallel` installs a :class:`Dispatcher` that moves
+tokens between ranks. The model code has no expert-parallel branches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from atom.layers.linear import Linear
+from atom.layers.mlp import GatedMLP
 
 GATE_MODES = ("softmax", "unit")
 
@@ -57,6 +69,63 @@ class Dispatcher(Protocol):
         """:meth:`combine` with its collective left in flight (two-batch overlap)."""
 
 
+# ----- routing -----
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, *,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, then the top-k; the k gates renormalized to sum to
+    1 when ``renormalize`` (Mixtral always; Qwen3-MoE iff ``norm_topk_prob``, Hugging Face's
+    ``Qwen3MoeTopKRouter``).
+
+    Args:
+        router_logits: ``[N, E]``, any float dtype.
+    Returns:
+        (expert ids int64 ``[N, k]``, gates float32 ``[N, k]``), highest gate first.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    gates, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return ids, gates
+
+
+def unit_routing(num_tokens: int, top_k: int, *,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token to experts ``0 .. k-1`` with gate 1 (model (a): a dense MLP split into
+    experts): (ids int64 ``[N, k]``, gates float32 ``[N, k]``)."""
+    ids = torch.arange(top_k, device=device).expand(num_tokens, top_k)
+    return ids, torch.ones(num_tokens, top_k, device=device)
+
+
+# ----- expert parallelism: which experts a rank holds -----
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The experts ``[start, end)`` rank ``rank`` owns: contiguous, sizes differing by ≤ 1.
+
+    Raises:
+        ValueError: fewer experts than ranks (a rank would own none).
+    """
+    if num_experts < world_size:
+        raise ValueError(f"{num_experts} experts cannot be sharded over {world_size} ranks: "
+                         f"need at least one expert per rank")
+    return rank * num_experts // world_size, (rank + 1) * num_experts // world_size
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's share of every MoE layer's experts under expert parallelism: rank ``rank``
+    of ``world_size`` (the DP ranks) holds :func:`expert_range` of each layer's experts, and
+    only those are read from the checkpoint."""
+
+    rank: int
+    world_size: int
+
+    def range(self, num_experts: int) -> tuple[int, int]:
+        return expert_range(num_experts, self.rank, self.world_size)
+
+
 class MoE(nn.Module):
     """Top-k mixture of SiLU-gated experts.
 
@@ -64,19 +133,29 @@ class MoE(nn.Module):
         hidden_size, intermediate_size: per expert (``intermediate_size`` of one expert).
         num_experts: E, experts of the whole model.
         top_k: experts per token (``top_k == num_experts`` with unit gates: all of them).
-        gate_mode: ``"softmax"`` or ``"unit"`` (module docstring).
+        gate_mode: ``"softmax"`` (:func:`softmax_topk`) or ``"unit"`` (:func:`unit_routing`).
+        renormalize: with ``"softmax"``, renormalize the k gates (:func:`softmax_topk`).
+        expert_shard: hold only this rank's experts (expert parallelism); None = all.
+        expert_class: one expert, built as ``expert_class(hidden_size, intermediate_size)``,
+            mapping ``[n, hidden]`` to ``[n, hidden]``; a family whose experts differ (biases, a
+            clamped activation) passes its own.
 
-    Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates),
-    ``gate_up_proj`` ``[E_local, 2 * intermediate, hidden]`` (gate rows first, then up),
-    ``down_proj`` ``[E_local, hidden, intermediate]``; local experts are
-    ``[expert_start, expert_start + E_local)``.
+    Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates) and one
+    expert module per local expert, ``local_experts[i]`` being expert ``expert_start + i``; the
+    default :class:`~atom.layers.mlp.GatedMLP` has ``gate_up_proj.weight``
+    ``[2 * intermediate, hidden]`` (gate rows first, then up) and ``down_proj.weight``
+    ``[hidden, intermediate]``, so every expert's linears are packed for oneDNN like the dense
+    ones and run the fused SiLU-and-mul.
 
     Raises:
-        ValueError: ``top_k`` outside ``[1, num_experts]`` or an unknown ``gate_mode``.
+        ValueError: ``top_k`` outside ``[1, num_experts]``, an unknown ``gate_mode``, or fewer
+            experts than ranks.
     """
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, gate_mode: str = "softmax") -> None:
+                 top_k: int, gate_mode: str = "softmax", renormalize: bool = True,
+                 expert_shard: ExpertShard | None = None,
+                 expert_class: type[nn.Module] = GatedMLP) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -87,24 +166,53 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.gate_mode = gate_mode
-        self.router = (nn.Linear(hidden_size, num_experts, bias=False) if gate_mode == "softmax"
-                       else None)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
-                                                     hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
-                                      requires_grad=False)
-        self.expert_start = 0
+        self.renormalize = renormalize
+        self.router = Linear(hidden_size, num_experts) if gate_mode == "softmax" else None
+        start, end = (0, num_experts) if expert_shard is None else expert_shard.range(num_experts)
+        self.local_experts = nn.ModuleList(expert_class(hidden_size, intermediate_size)
+                                           for _ in range(start, end))
+        self.expert_start = start
         self.dispatcher: Dispatcher | None = None
 
     @property
     def num_local_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
+        return len(self.local_experts)
+
+    def set_expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy the local experts' weights in: ``gate_up`` ``[E_local, 2 * intermediate,
+        hidden]``, ``down`` ``[E_local, hidden, intermediate]`` (transformers v5's fused layout,
+        cut to this rank's experts).
+
+        Raises:
+            ValueError: the shapes do not match the local experts.
+        """
+        if gate_up.shape[0] != self.num_local_experts or down.shape[0] != self.num_local_experts:
+            raise ValueError(f"{gate_up.shape[0]} / {down.shape[0]} experts' weights for "
+                             f"{self.num_local_experts} local experts")
+        for expert, gu, d in zip(self.local_experts, gate_up, down):
+            expert.gate_up_proj.weight.data.copy_(gu)
+            expert.down_proj.weight.data.copy_(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` → ``[T, hidden]``, same dtype."""
         tokens = self.dispatch(x)
         ids, gates = self.route(tokens)
         return self.combine(self.experts(tokens, ids, gates))
+
+    def forward_overlapped(self, x: torch.Tensor) -> Iterator[Pending]:
+        """:meth:`forward` as a generator for two-batch overlap (:mod:`atom.worker.tbo`): it
+        yields right after starting each collective (dispatch, combine) and returns the output
+        ``[T, hidden]`` (``y = yield from moe.forward_overlapped(x)``). Without a dispatcher it
+        yields nothing."""
+        if self.dispatcher is None:
+            return self(x)
+        pending = self.dispatcher.dispatch_async(x)
+        yield pending
+        tokens = pending.result()
+        ids, gates = self.route(tokens)
+        pending = self.dispatcher.combine_async(self.experts(tokens, ids, gates))
+        yield pending
+        return pending.result()
 
     # ----- stages -----
 
@@ -116,30 +224,41 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[N, hidden]`` → (expert ids int64 ``[N, k]``, gates float32 ``[N, k]``)."""
-        n = x.shape[0]
         if self.gate_mode == "unit":
-            ids = torch.arange(self.top_k, device=x.device).expand(n, self.top_k)
-            return ids, torch.ones(n, self.top_k, device=x.device)
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        gates, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, gates / gates.sum(dim=-1, keepdim=True)
+            return unit_routing(x.shape[0], self.top_k, device=x.device)
+        return softmax_topk(self.router(x), self.top_k, renormalize=self.renormalize)
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """The local experts' gated outputs for ``x`` ``[N, hidden]`` (zeros where a token chose
-        no local expert); ``[N, hidden]`` in x's dtype."""
-        out = torch.zeros_like(x)
-        for local in range(self.num_local_experts):
-            token_idx, slot = torch.where(ids == self.expert_start + local)
-            if token_idx.numel() == 0:
-                continue
-            h = x.index_select(0, token_idx)
-            gate, up = F.linear(h, self.gate_up_proj[local]).split(self.intermediate_size, -1)
-            h = F.linear(F.silu(gate) * up, self.down_proj[local])
-            out.index_add_(0, token_idx, h * gates[token_idx, slot, None].to(h.dtype))
-        return out
+        """The local experts' gated outputs for ``x`` ``[N, hidden]``, summed per token (zeros
+        where a token chose no local expert); ``[N, hidden]`` in x's dtype.
+
+        The ``N * k`` (token, expert) pairs are sorted by expert once, so each expert with work
+        runs on one contiguous slice of gathered rows (three ops: its fused gate/up GEMM,
+        SiLU-and-mul, down GEMM), and the weighted outputs go back to their pairs with one
+        ``index_copy_`` and are summed over the k slots (no per-expert scatter-add)."""
+        n, k = ids.shape
+        out = x.new_zeros(n * k, x.shape[1])
+        local = (ids - self.expert_start).flatten()
+        num_local = self.num_local_experts
+        mine = (local >= 0) & (local < num_local)
+        counts = torch.bincount(local[mine], minlength=num_local).tolist()
+        num_pairs = sum(counts)
+        if num_pairs:
+            # the pairs of local experts first, grouped by expert; the others after them
+            pairs = torch.argsort(torch.where(mine, local, num_local), stable=True)[:num_pairs]
+            rows = x.index_select(0, pairs // k)
+            outputs, start = [], 0
+            for expert, count in zip(self.local_experts, counts):
+                if count:
+                    outputs.append(expert(rows[start:start + count]))
+                    start += count
+            weighted = torch.cat(outputs) * gates.flatten()[pairs, None].to(x.dtype)
+            out.index_copy_(0, pairs, weighted)
+        return out.view(n, k, x.shape[1]).sum(dim=1)
 
     def shard_experts(self, start: int, end: int) -> None:
-        """Keep only experts ``[start, end)`` (expert parallelism); frees the others.
+        """Keep only experts ``[start, end)`` (expert parallelism); frees the others. A no-op
+        when the layer already holds exactly those (sharded at load).
 
         Raises:
             ValueError: the range is empty or outside this layer's experts.
@@ -149,8 +268,7 @@ class MoE(nn.Module):
                              f"experts [{self.expert_start}, "
                              f"{self.expert_start + self.num_local_experts})")
         lo, hi = start - self.expert_start, end - self.expert_start
-        self.gate_up_proj = nn.Parameter(self.gate_up_proj[lo:hi].clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(self.down_proj[lo:hi].clone(), requires_grad=False)
+        self.local_experts = self.local_experts[lo:hi]
         self.expert_start = start
 
 
@@ -175,9 +293,9 @@ def moe_from_dense_mlp(gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
     moe = MoE(hidden_size=hidden, intermediate_size=size, num_experts=num_experts,
               top_k=num_experts, gate_mode="unit").to(down_weight.dtype)
     gate, up = gate_up_weight.split(intermediate, dim=0)
-    moe.gate_up_proj.data = torch.cat([gate.view(num_experts, size, hidden),
-                                       up.view(num_experts, size, hidden)], dim=1).contiguous()
-    moe.down_proj.data = down_weight.view(hidden, num_experts, size).permute(1, 0, 2).contiguous()
+    moe.set_expert_weights(torch.cat([gate.view(num_experts, size, hidden),
+                                      up.view(num_experts, size, hidden)], dim=1),
+                           down_weight.view(hidden, num_experts, size).permute(1, 0, 2))
     return moe
 
 
@@ -188,7 +306,7 @@ def split_mlps_into_experts(model: nn.Module, num_experts: int) -> None:
         ValueError: the model has no dense MLPs, or see :func:`moe_from_dense_mlp`.
     """
     layers = getattr(model, "layers", [])
-    if not layers or isinstance(layers[0].mlp, MoE):
+    if not layers or any(isinstance(layer.mlp, MoE) for layer in layers):
         raise ValueError("--moe-split-experts needs a dense model (Llama-style MLPs)")
     for layer in layers:
         layer.mlp = moe_from_dense_mlp(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,

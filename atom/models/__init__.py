@@ -1,25 +1,70 @@
-"""Model implementations, looked up by architecture name (as in HF ``config.architectures``)."""
+"""The model registry: ``config.json``'s ``architectures[0]`` → the model class, in one place.
+
+Each family is one file of this folder on the shared layers of :mod:`atom.layers`
+(:class:`atom.layers.decoder.DecoderForCausalLM`). This module imports no torch and no model
+file until a class is asked for, so the front end can refuse an unsupported architecture
+(:func:`check_architecture`) before it starts any process, and ``atom models`` lists
+:data:`MODEL_REGISTRY` without loading anything.
+"""
 
 from __future__ import annotations
 
-from atom.models.llama import LlamaForCausalLM
+import importlib
+from dataclasses import dataclass
 
-#: architecture name -> model class with ``from_state_dict``, ``bind_kv_caches``, ``forward``
-#: and ``compute_logits``.
-MODEL_REGISTRY: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MixtralForCausalLM": LlamaForCausalLM,  # Llama with MoE MLPs (ModelArchConfig.num_experts)
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One supported architecture: where its class lives and what it covers."""
+
+    module: str  # under atom.models
+    class_name: str
+    description: str
+
+
+#: architecture name (Hugging Face ``architectures[0]``) -> where its class is
+MODEL_REGISTRY: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry(
+        "llama", "LlamaForCausalLM",
+        "Llama, SmolLM2, Mistral without a sliding window; also GGUF files (llama)"),
+    "MixtralForCausalLM": ModelEntry(
+        "mixtral", "MixtralForCausalLM", "Mixtral: top-k softmax MoE, experts renormalized"),
+    "Qwen3ForCausalLM": ModelEntry(
+        "qwen3", "Qwen3ForCausalLM", "Qwen3 dense: per-head q/k RMSNorm"),
+    "Qwen3MoeForCausalLM": ModelEntry(
+        "qwen3", "Qwen3MoeForCausalLM",
+        "Qwen3-MoE: q/k norm, softmax top-k (norm_topk_prob), mlp_only_layers, "
+        "decoder_sparse_step"),
 }
 
 
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def check_architecture(architecture: str, *, source: str | None = None) -> None:
+    """Raise unless ``architecture`` is supported.
+
+    Raises:
+        ValueError: one line naming the architecture, where it came from (``source``) and the
+            supported ones.
+    """
+    if architecture not in MODEL_REGISTRY:
+        where = f" ({source})" if source else ""
+        raise ValueError(f"unsupported architecture {architecture!r}{where}; supported: "
+                         f"{', '.join(supported_architectures())} (see `atom models`)")
+
+
 def get_model_class(architecture: str) -> type:
-    """The model class for ``architecture``; ``ValueError`` listing the supported ones otherwise."""
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}"
-        ) from None
+    """The model class for ``architecture`` (its module imported now).
+
+    Raises:
+        ValueError: an unsupported architecture (:func:`check_architecture`).
+    """
+    check_architecture(architecture)
+    entry = MODEL_REGISTRY[architecture]
+    return getattr(importlib.import_module(f"atom.models.{entry.module}"), entry.class_name)
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]
+__all__ = ["MODEL_REGISTRY", "ModelEntry", "check_architecture", "get_model_class",
+           "supported_architectures"]

@@ -5,7 +5,13 @@ Three sources, one result (Hugging Face parameter names, the run dtype):
 - ``None``: the embedded SmolLM2-135M-Instruct GGUF
   (:func:`atom.worker.embedded_model.ensure_embedded_gguf`);
 - a path to a ``.gguf`` file (llama architecture), read with the ``gguf`` package;
-- a Hugging Face folder (``config.json`` + ``*.safetensors``, ``LlamaForCausalLM``).
+- a Hugging Face folder (``config.json`` + ``*.safetensors``) of a supported architecture
+  (:mod:`atom.models`: the registry), read lazily (:class:`atom.worker.checkpoint.Checkpoint`).
+
+The architecture config (:class:`ModelArchConfig`) has the fields every family reads; what a
+family needs besides is its own dataclass, parsed from ``config.json`` by its model class
+(``parse_family_config``) into ``ModelArchConfig.family``. A required key that is missing is a
+``ValueError`` naming the key, the file and the architecture (:class:`HFConfig`).
 
 GGUF specifics: GGUF lists tensor dimensions in the reverse order of torch (``gguf`` already
 hands back numpy arrays in torch order), and llama.cpp's converter permutes the rows of
@@ -31,15 +37,17 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from atom.models import check_architecture, get_model_class
+from atom.worker.checkpoint import Checkpoint
 from atom.worker.embedded_model import cache_dir, ensure_embedded_gguf
 
 logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT_VERSION = "1"
-_SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 # GGUF tensor name (per block: "blk.N.<key>") -> Hugging Face parameter name.
@@ -76,7 +84,8 @@ class ModelArchConfig:
         max_position_embeddings: the longest context the model was trained for, in tokens.
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: ids that end generation (first one is the tokenizer's EOS).
-        num_experts, num_experts_per_tok: MoE layout (None for dense models).
+        family: the family's own settings (a frozen dataclass its model class parsed from
+            ``config.json``: Mixtral's and Qwen3-MoE's experts, ...), or None.
     """
 
     architecture: str
@@ -93,8 +102,7 @@ class ModelArchConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    num_experts: int | None = None
-    num_experts_per_tok: int | None = None
+    family: Any = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -103,13 +111,66 @@ class ModelArchConfig:
                 f"num_key_value_heads={self.num_key_value_heads}")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        """The config as JSON, for the GGUF weights cache (GGUF files are Llama: no family)."""
+        if self.family is not None:
+            raise ValueError(f"{self.architecture}: a config with family settings has no JSON form")
+        d = dataclasses.asdict(self)
+        del d["family"]
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> ModelArchConfig:
         d = json.loads(text)
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        for legacy in ("num_experts", "num_experts_per_tok"):  # caches written before families
+            d.pop(legacy, None)
         return cls(**d)
+
+
+class HFConfig:
+    """A parsed ``config.json`` whose errors name the file and the architecture.
+
+    Attributes:
+        data: the parsed JSON.
+        architecture: ``architectures[0]``.
+        source: where it came from (for messages).
+    """
+
+    def __init__(self, data: dict, *, architecture: str, source: str) -> None:
+        self.data, self.architecture, self.source = data, architecture, source
+
+    def get(self, key: str, default=None):
+        return self.data.get(key, default)
+
+    def required(self, key: str):
+        """``data[key]``.
+
+        Raises:
+            ValueError: the key is missing or null.
+        """
+        value = self.data.get(key)
+        if value is None:
+            raise ValueError(f"{self.source} has no {key!r}, which {self.architecture} needs: "
+                             f"is this a complete {self.architecture} config?")
+        return value
+
+    def rope(self) -> dict:
+        """The rope settings: transformers 5's ``rope_parameters`` or 4's ``rope_scaling``."""
+        return self.data.get("rope_parameters") or self.data.get("rope_scaling") or {}
+
+    def require_default_rope(self) -> None:
+        """Raises ValueError for any rope scaling (only the default rope is implemented)."""
+        rope = self.rope()
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{self.source}: rope scaling {rope!r} is not supported for "
+                             f"{self.architecture} (only the default rope)")
+
+    def reject_true(self, *flags: str) -> None:
+        """Raises ValueError when one of ``flags`` is set (an option the family does not run)."""
+        for flag in flags:
+            if self.data.get(flag):
+                raise ValueError(f"{self.source}: {flag}=True is not supported by atom's "
+                                 f"{self.architecture}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +297,6 @@ def _dequantize_gguf(
 
 def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     name = f"{_file_cache_key(path)}-{_dtype_name(dtype)}.safetensors"
     cache_file = cache_dir() / "weights" / name
@@ -245,7 +305,8 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
             meta = f.metadata() or {}
         if meta.get("atom_cache_version") == _CACHE_FORMAT_VERSION:
             logger.info("weights: cache hit %s", cache_file)
-            return ModelArchConfig.from_json(meta["arch_config"]), load_file(str(cache_file))
+            return (ModelArchConfig.from_json(meta["arch_config"]),
+                    Checkpoint.from_safetensors([cache_file], dtype))
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -255,7 +316,7 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
         _save_atomically(cache_file, state_dict, {
             "atom_cache_version": _CACHE_FORMAT_VERSION, "arch_config": config.to_json(),
             "source": str(path)})
-    return config, state_dict
+    return config, Checkpoint.from_tensors(state_dict)
 
 
 def _save_atomically(
@@ -279,67 +340,62 @@ def _save_atomically(
 # Hugging Face folders
 
 
-def arch_config_from_hf(config: dict, generation_config: dict | None = None) -> ModelArchConfig:
-    """Build a :class:`ModelArchConfig` from a parsed ``config.json`` (transformers 4 or 5 keys).
-
-    Raises:
-        ValueError: unsupported architecture, rope scaling, or biases.
-    """
+def hf_architecture(config: dict) -> str:
+    """``architectures[0]`` of a parsed ``config.json`` (old Llama configs name only their
+    ``model_type``); "" when it names none."""
     archs = config.get("architectures") or (
         ["LlamaForCausalLM"] if config.get("model_type") == "llama" else [])
-    arch = next((a for a in archs if a in _SUPPORTED_HF_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"unsupported architecture {archs or config.get('model_type')!r}; "
-                         f"supported: {list(_SUPPORTED_HF_ARCHITECTURES)}")
-    # transformers 5 moves rope_theta / rope_scaling into rope_parameters.
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope scaling {rope!r} is not supported (only the default rope)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise ValueError(f"{flag}=True is not supported by atom's Llama")
-    num_heads = config["num_attention_heads"]
+    return archs[0] if archs else ""
+
+
+def arch_config_from_hf(config: dict, generation_config: dict | None = None, *,
+                        source: str = "config.json") -> ModelArchConfig:
+    """Build a :class:`ModelArchConfig` from a parsed ``config.json`` (transformers 4 or 5 keys):
+    the common fields here, the family's own through its model class's ``parse_family_config``.
+
+    Raises:
+        ValueError: unsupported architecture or option, or a required key missing.
+    """
+    arch = hf_architecture(config) or str(config.get("model_type"))
+    check_architecture(arch, source=source)
+    hf = HFConfig(config, architecture=arch, source=source)
+    family = get_model_class(arch).parse_family_config(hf)
+    num_heads = hf.required("num_attention_heads")
     eos: list[int] = []
-    for source in (config, generation_config or {}):
-        value = source.get("eos_token_id")
+    for values in (config, generation_config or {}):
+        value = values.get("eos_token_id")
         for token in ([value] if isinstance(value, int) else value or []):
             if token not in eos:
                 eos.append(int(token))
     return ModelArchConfig(
         architecture=arch,
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
+        vocab_size=hf.required("vocab_size"),
+        hidden_size=hf.required("hidden_size"),
+        intermediate_size=hf.required("intermediate_size"),
+        num_hidden_layers=hf.required("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=float(config.get("rope_theta") or hf.rope().get("rope_theta") or 10000.0),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos),
-        num_experts=config.get("num_local_experts"),
-        num_experts_per_tok=config.get("num_experts_per_tok"),
+        family=family,
     )
 
 
 def _load_hf_folder(path: pathlib.Path, dtype: torch.dtype):
-    from safetensors.torch import load_file
-
     config = json.loads((path / "config.json").read_text())
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    arch_config = arch_config_from_hf(config, gen)
+    arch_config = arch_config_from_hf(config, gen, source=str(path / "config.json"))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
                                 f"save_pretrained(..., safe_serialization=True)")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        state_dict.update({k: v.to(dtype) for k, v in load_file(str(file)).items()})
-    return arch_config, state_dict
+    return arch_config, Checkpoint.from_safetensors(files, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +404,7 @@ def _load_hf_folder(path: pathlib.Path, dtype: torch.dtype):
 
 def load_model_weights(
     model: str | os.PathLike | None, dtype: torch.dtype, *, use_cache: bool = True,
-) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+) -> tuple[ModelArchConfig, Checkpoint]:
     """Load the architecture config and the weights (HF parameter names, ``dtype``, CPU).
 
     Args:
@@ -356,7 +412,8 @@ def load_model_weights(
         dtype: run dtype, e.g. ``torch.bfloat16`` or ``torch.float32``.
         use_cache: for GGUF, read/write the dequantized weights under ``cache_dir()/weights/``.
     Returns:
-        ``(config, state_dict)``; with tied embeddings there is no ``lm_head.weight``.
+        ``(config, checkpoint)``: a :class:`~atom.worker.checkpoint.Checkpoint` (a mapping of
+        tensors, read when asked for); with tied embeddings there is no ``lm_head.weight``.
     Raises:
         FileNotFoundError: missing path or weight files.
         ValueError: unsupported file type, architecture or config option.
@@ -485,8 +542,8 @@ def load_tokenizer(model: str | os.PathLike | None, *, use_cache: bool = True):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if use_cache:
             _save_tokenizer_atomically(tokenizer, folder)
-    if getattr(tokenizer, "chat_template", None) is None:
-        logger.warning("tokenizer of %s has no chat template", path)
+    if getattr(tokenizer, "chat_template", None) is None:  # said where chat is used, not here
+        logger.info("tokenizer of %s has no chat template: chat requests will fail", path)
     return tokenizer
 
 

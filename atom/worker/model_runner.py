@@ -1,8 +1,9 @@
 """The model runner: turns one scheduled step into a forward pass and returns logits.
 
-It owns the model and the paged KV cache tensors (one ``[2, num_kv_blocks, block_size, H_kv, D]``
-tensor per layer). It reads sequences and never mutates them: the scheduler owns sequence state
-and the block manager owns block tables (already allocated for every slot this step writes).
+It owns the model and the paged KV cache tensors (one per layer, of the shape the model's class
+says: :meth:`ModelRunner.kv_cache_specs_of`, :mod:`atom.kv_cache_spec`). It reads sequences and
+never mutates them: the scheduler owns sequence state and the block manager owns block tables
+(already allocated for every slot this step writes).
 
 A step flattens the scheduled sequences' new tokens into one batch of ``T`` tokens with no batch
 dimension: sequences with one new token (decodes, or 1-token chunks) first so attention can run
@@ -13,14 +14,18 @@ output rows follow the *scheduled* order, whatever the internal order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from atom.kernels.attention import NO_KV_WRITE_SLOT, AttentionMetadata
-from atom.worker.model_loader import ModelArchConfig
-from atom.models import get_model_class
 from atom.core.sequence import Sequence
+from atom.kernels.attention import NO_KV_WRITE_SLOT, AttentionMetadata
+from atom.kv_cache_spec import KVCacheSpec, kv_cache_bytes_per_block
+from atom.layers.moe import ExpertShard
+from atom.models import get_model_class
+from atom.worker.checkpoint import Checkpoint
+from atom.worker.model_loader import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ class ModelOutput:
     Attributes:
         logits: float32 ``[num_sampled, vocab]``, row ``i`` for ``sampled_seq_ids[i]``.
         sampled_seq_ids: the sequences that reached their last token this step
-            (``num_computed_tokens + num_new_tokens == len(token_ids)``), in scheduled order.
+            (:meth:`~atom.core.sequence.Sequence.samples_next_token`), in scheduled order.
         prompt_logits: ``seq_id -> float32 [n, vocab]`` for sequences that asked for prompt
             logprobs: the logits at the prompt positions ``p`` computed this step with
             ``p < num_prompt_tokens - 1`` (row for position ``p`` predicts token ``p + 1``), in
@@ -68,7 +73,8 @@ class ModelRunner:
 
     Args:
         arch_config: the architecture (from :func:`atom.worker.model_loader.load_model_weights`).
-        state_dict: Hugging Face-named weights; the model is built on their device.
+        state_dict: Hugging Face-named weights (a :class:`~atom.worker.checkpoint.Checkpoint`,
+            or any mapping of tensors); the model is built on their device.
         dtype: run dtype of weights, activations and the KV cache.
         num_kv_blocks: blocks in the KV cache pool (block ids ``0 .. num_kv_blocks - 1``).
         block_size: tokens per block.
@@ -77,14 +83,17 @@ class ModelRunner:
             :func:`atom.layers.moe.split_mlps_into_experts`), or None.
         quantized_weights: the GGUF file's own blocks (``--quantization gguf``,
             :func:`atom.worker.model_loader.load_gguf_blocks`) for small steps, or None.
+        expert_shard: under expert parallelism, read and hold only this rank's experts of every
+            MoE layer (:class:`~atom.layers.moe.ExpertShard`); None = all.
     Raises:
         ValueError: unsupported architecture, bad weights, or non-positive sizes.
     """
 
     def __init__(
-        self, arch_config: ModelArchConfig, state_dict: dict[str, torch.Tensor], *,
+        self, arch_config: ModelArchConfig, state_dict: Mapping[str, torch.Tensor], *,
         dtype: torch.dtype, num_kv_blocks: int, block_size: int, max_model_len: int,
         moe_split_experts: int | None = None, quantized_weights: dict | None = None,
+        expert_shard: ExpertShard | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_model_len", max_model_len)):
@@ -95,10 +104,13 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.device = next(iter(state_dict.values())).device
+        weights = Checkpoint.from_tensors(state_dict)
+        self.device = weights.device
         model_cls = get_model_class(arch_config.architecture)
         self.model = model_cls.from_state_dict(
-            arch_config, state_dict, dtype=dtype, max_positions=max_model_len, device=self.device)
+            arch_config, weights, dtype=dtype, max_positions=max_model_len, device=self.device,
+            expert_shard=expert_shard)
+        del weights
         if quantized_weights is not None and self.device.type == "cpu":
             from atom.kernels import cpu_ops
 
@@ -120,11 +132,9 @@ class ModelRunner:
         self.model.pack_weights()
         # Zero-filled, not empty: the batched decode path reads whole blocks (masked past each
         # context), and masked garbage that happens to be NaN would still poison softmax @ V.
-        self.kv_caches = [
-            torch.zeros((2, num_kv_blocks, block_size, arch_config.num_key_value_heads,
-                         arch_config.head_dim), dtype=dtype, device=self.device)
-            for _ in range(arch_config.num_hidden_layers)
-        ]
+        self.kv_cache_specs = self.kv_cache_specs_of(arch_config)
+        self.kv_caches = [torch.zeros(spec.shape(num_kv_blocks, block_size), dtype=dtype,
+                                      device=self.device) for spec in self.kv_cache_specs]
         self.model.bind_kv_caches(self.kv_caches)
         # a separate draft model (speculative decoding) that runs every step's forward too, on
         # its own KV cache with the same block ids (atom.engine.core._make_proposers)
@@ -142,13 +152,19 @@ class ModelRunner:
                         arch_config, dtype=dtype, block_size=block_size) / 2**20)
 
     @staticmethod
+    def kv_cache_specs_of(arch_config: ModelArchConfig) -> list[KVCacheSpec]:
+        """Each layer's KV cache geometry, as the architecture's model class says (from the
+        config alone, before any model is built)."""
+        return get_model_class(arch_config.architecture).kv_cache_specs(arch_config)
+
+    @staticmethod
     def kv_cache_bytes_per_block(
         arch_config: ModelArchConfig, *, dtype: torch.dtype, block_size: int
     ) -> int:
-        """Bytes one KV block takes across all layers (keys and values)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return (2 * arch_config.num_hidden_layers * block_size * arch_config.num_key_value_heads
-                * arch_config.head_dim * itemsize)
+        """Bytes one KV block takes across all layers (:func:`atom.kv_cache_spec.kv_cache_bytes_per_block`)."""
+        return kv_cache_bytes_per_block(
+            ModelRunner.kv_cache_specs_of(arch_config),
+            itemsize=torch.empty((), dtype=dtype).element_size(), block_size=block_size)
 
     @torch.inference_mode()
     def execute_model(
@@ -236,9 +252,9 @@ class ModelRunner:
             self._check_entry(seq, offset + num_new_tokens)
         spec = any(seq.spec_token_ids for seq, _, _ in entries)
         if spec:  # a verify entry computes its last token and its drafts: not a 1-token decode
-            entries = [(seq, skip, n) if not seq.spec_token_ids
-                       or seq.num_computed_tokens + skip + n < len(seq.token_ids)
-                       else (seq, skip, n + len(seq.spec_token_ids)) for seq, skip, n in entries]
+            entries = [(seq, skip, n + len(seq.spec_token_ids))
+                       if seq.spec_token_ids and seq.samples_next_token(skip + n)
+                       else (seq, skip, n) for seq, skip, n in entries]
         # Stable partition: one-token entries first (batched decode attention), then the rest.
         order = ([e for e in entries if e[2] == 1] + [e for e in entries if e[2] != 1])
         bs = self.block_size
@@ -286,18 +302,10 @@ class ModelRunner:
             num_decodes=sum(1 for _, _, n in order if n == 1),
             context_lens_tensor=as_tensor(context_lens),
         )
-        if not spec:
-            sampled = [seq.seq_id for seq, skip, n in entries
-                       if seq.num_computed_tokens + skip + n == len(seq.token_ids)]
-            return _Batch(
-                input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
-                sample_rows=[last_row[s] for s in sampled], sampled_seq_ids=sampled,
-                prompt_rows=prompt_rows,
-            )
         sampled, sample_rows, num_rows = [], [], []
         for seq, skip, n in entries:
-            num_drafts = seq.num_computed_tokens + skip + n - len(seq.token_ids)
-            if num_drafts >= 0:  # reaches its last token (and its drafts: rows for each)
+            if seq.samples_next_token(skip + n):  # rows for its last token and each draft
+                num_drafts = seq.num_computed_tokens + skip + n - len(seq.token_ids)
                 sampled.append(seq.seq_id)
                 last = last_row[seq.seq_id]
                 sample_rows += range(last - num_drafts, last + 1)
@@ -305,5 +313,5 @@ class ModelRunner:
         return _Batch(
             input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
             sample_rows=sample_rows, sampled_seq_ids=sampled, prompt_rows=prompt_rows,
-            num_rows=num_rows,
+            num_rows=num_rows if spec else None,
         )

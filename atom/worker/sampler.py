@@ -9,13 +9,18 @@ Random sampling uses the exponential-race form of the Gumbel trick: ``argmax(p /
 ``E ~ Exp(1)`` draws from ``p``. A seeded request draws its noise from its own
 ``torch.Generator`` (seeded with ``seed`` for choice 0 and ``seed + index`` for choice ``index``
 of an ``n > 1`` request, as vLLM derives its child requests' seeds), so its tokens do not depend
-on the other sequences in the batch. Unseeded requests share the engine's generator.
+on the other sequences in the batch, nor on the DP rank that runs it. Unseeded requests share
+their rank's generator, seeded from the engine's ``seed`` *and* the DP rank
+(:func:`rank_stream_seed`): ranks built from one config never share a stream, or the k-th
+unseeded request of every rank would draw the same noise (and, for identical prompts, the same
+text).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from atom.kernels import fused
@@ -50,17 +55,33 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
+def rank_stream_seed(seed: int, dp_rank: int) -> int:
+    """The seed of DP rank ``dp_rank``'s shared generator (unseeded requests): numpy's
+    ``SeedSequence`` over ``(seed, dp_rank)``, so every rank of one deployment has an
+    independent stream and the same ``(seed, dp_rank)`` always gives the same one.
+
+    Raises:
+        ValueError: a negative ``seed`` or ``dp_rank``.
+    """
+    if seed < 0 or dp_rank < 0:
+        raise ValueError(f"seed and dp_rank must be >= 0, got {seed} and {dp_rank}")
+    return int(np.random.SeedSequence([seed, dp_rank]).generate_state(1, np.uint64)[0])
+
+
 class Sampler:
-    """Samples one token per sequence; owns the per-request generators of seeded requests.
+    """Samples one token per sequence; owns this rank's shared generator (unseeded requests)
+    and the per-request generators of seeded requests.
 
     Args:
         eos_token_ids: ids masked while a sequence is below its ``min_tokens``.
-        seed: seed of the shared generator used by unseeded requests.
+        seed: the engine's seed; with ``dp_rank`` it seeds the shared generator
+            (:func:`rank_stream_seed`).
+        dp_rank: the DP rank this sampler runs on.
     """
 
-    def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+    def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0, *, dp_rank: int = 0):
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(rank_stream_seed(seed, dp_rank))
         self._seq_generators: dict[int, torch.Generator] = {}
 
     def release(self, seq_id: int) -> None:

@@ -6,9 +6,9 @@ overlap"; SGLang's ``two_batch_overlap``): while micro-batch 0's tokens travel t
 own their experts, micro-batch 1 runs its attention, and so on, layer after layer.
 
 Each micro-batch's forward is a *program*: a generator that runs the model's stages (from the
-outside: :meth:`LlamaDecoderLayer.attention_stage`, then the MoE layer's ``route`` /
-``experts`` and its dispatcher's ``dispatch_async`` / ``combine_async``) and yields right after
-it starts an async collective. :func:`run_interleaved` resumes the programs round-robin,
+outside: :meth:`DecoderLayer.attention_stage <atom.layers.decoder.DecoderLayer.attention_stage>`,
+then the MoE layer's :meth:`~atom.layers.moe.MoE.forward_overlapped`: dispatch, route, experts,
+combine) and yields right after it starts an async collective. :func:`run_interleaved` resumes the programs round-robin,
 waiting for a program's collective only when it is that program's turn again. Every rank runs
 the same two programs in the same order, so the collectives are issued in the same order
 everywhere: dispatch(mb0, L), dispatch(mb1, L), combine(mb0, L), combine(mb1, L), for L = 0, 1, ...
@@ -76,7 +76,7 @@ class MicroBatch:
 def forward_micro_batches(model, micro_batches: Sequence[MicroBatch]) -> None:
     """The model's forward on each micro-batch, interleaved; sets each ``hidden``.
 
-    ``model`` is a Llama-family model (:class:`atom.models.llama.LlamaForCausalLM`): embeddings,
+    ``model`` is a :class:`atom.layers.decoder.DecoderForCausalLM` (every family): embeddings,
     ``layers`` with ``attention_stage`` and an ``mlp`` (dense or :class:`MoE`), final ``norm``.
     """
     run_interleaved([_model_program(model, mb) for mb in micro_batches])
@@ -91,16 +91,7 @@ def _model_program(model, mb: MicroBatch) -> Iterator[Waitable]:
     for layer in model.layers:
         x, h = layer.attention_stage(x, cos, sin, mb.attn_metadata)
         mlp = layer.mlp
-        if not isinstance(mlp, MoE) or mlp.dispatcher is None:
-            x = x + mlp(h)
-            continue
-        pending = mlp.dispatcher.dispatch_async(h)
-        yield pending
-        tokens = pending.result()
-        ids, gates = mlp.route(tokens)
-        pending = mlp.dispatcher.combine_async(mlp.experts(tokens, ids, gates))
-        yield pending
-        x = x + pending.result()
+        x = x + ((yield from mlp.forward_overlapped(h)) if isinstance(mlp, MoE) else mlp(h))
     mb.hidden = model.norm(x)
 
 

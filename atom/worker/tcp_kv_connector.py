@@ -9,11 +9,12 @@ Every message is a msgspec msgpack frame (never pickle); KV bytes travel as raw 
                                       <──      HandshakeReply(layout, error)
     Pull(request_id, block_ids)       ──>      reads K and V of those blocks, every layer
                                       <──      PullReply(checksums) + one frame per layer
-                                               (layer l: [2, num_blocks, block_size, H_kv, D])
+                                               (layer l: its spec's shape, e.g.
+                                               [2, num_blocks, block_size, H_kv, D])
     Release(request_id, completed)    ──>      frees the kept blocks now
 
-The layouts (:class:`~atom.core.kv_connector.KVLayout`: dtype, block size, KV heads, head dim,
-layers) must be equal, else both sides refuse with a message naming both layouts; every frame
+The layouts (:class:`~atom.core.kv_connector.KVLayout`: architecture, dtype, block size, and
+every layer's :class:`~atom.kv_cache_spec.KVCacheSpec`) must be equal, else both sides refuse with a message naming both layouts; every frame
 carries an xxhash64 checksum, checked before a byte reaches the KV cache. The consumer confirms
 (``Release(completed=True)``) as soon as it holds the bytes, and releases (``completed=False``)
 when the request was aborted; a producer frees blocks nobody confirmed after
@@ -259,12 +260,12 @@ class TCPKVConnector:
     def _copy_into_cache(self, spec: LoadSpec, frames: list) -> None:
         dtype = _DTYPES[self.layout.dtype]
         index = torch.tensor(spec.local_block_ids, dtype=torch.int64)
-        shape = (2, len(spec.local_block_ids), self.layout.block_size, self.layout.num_kv_heads,
-                 self.layout.head_dim)
+        num_blocks, block_size = len(spec.local_block_ids), self.layout.block_size
         with warnings.catch_warnings():  # zmq frames are read-only; they are only read here
             warnings.simplefilter("ignore", UserWarning)
-            for cache, frame in zip(self.kv_caches, frames):
-                src = torch.frombuffer(frame, dtype=torch.uint8).view(dtype).view(shape)
+            for cache, frame, layer in zip(self.kv_caches, frames, self.layout.layers):
+                src = torch.frombuffer(frame, dtype=torch.uint8).view(dtype).view(
+                    layer.shape(num_blocks, block_size))
                 cache.index_copy_(1, index, src)
 
     def _expire_kept(self) -> None:
@@ -434,9 +435,9 @@ class TCPKVConnector:
         if len(frames) != layout.num_layers or len(reply.checksums) != layout.num_layers:
             return f"got {len(frames)} layer frames, expected {layout.num_layers}"
         itemsize = torch.empty((), dtype=_DTYPES[layout.dtype]).element_size()
-        num_bytes = (num_blocks * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
-                     * itemsize)
         for layer, (frame, checksum) in enumerate(zip(frames, reply.checksums)):
+            num_bytes = (num_blocks * layout.block_size * layout.layers[layer].values_per_token()
+                         * itemsize)
             if len(frame.buffer) != num_bytes:
                 return f"layer {layer}: {len(frame.buffer)} bytes, expected {num_bytes}"
             if xxhash.xxh64(frame.buffer).intdigest() != checksum:

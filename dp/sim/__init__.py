@@ -33,12 +33,13 @@ from collections.abc import Sequence
 from atom.config import EngineConfig
 from atom.dp.sim import workload
 from atom.dp.sim.cost_model import CostModel, Profile, list_profiles, load_profile
-from atom.dp.sim.metrics import format_table, sim_result
+from atom.dp.sim.metrics import format_sweep, format_table, run_header, sim_result
 from atom.dp.sim.simulator import Simulator, run_timed
 from atom.dp.sim.workload import TraceRequest, read_workload
 
 __all__ = ["simulate", "default_profile_name", "load_profile", "list_profiles", "Profile",
-           "TraceRequest", "read_workload", "workload", "format_table"]
+           "TraceRequest", "read_workload", "workload", "format_table", "format_sweep",
+           "run_header"]
 
 DENSE_PROFILE = "smollm2-fp32-cpu"
 MOE_PROFILE = "smollm2-moe4-fp32-cpu"
@@ -71,8 +72,10 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
         ValueError: a bad workload, a profile that cannot be read, or expert parallelism on a
             model with fewer experts than ranks.
     """
+    profile_name = None  # a Profile object given in memory has no name
     if not isinstance(profile, Profile):
-        profile = load_profile(profile or default_profile_name(config))
+        profile_name = str(profile or default_profile_name(config))
+        profile = load_profile(profile_name)
     facts = profile.model_facts
     if config.enable_expert_parallel:
         experts = config.moe_split_experts or facts.get("num_experts")
@@ -91,4 +94,6 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
                         facts.get("max_position_embeddings", 8192)),
                     trace_dir=trace_dir)
     host_s, cpu_s = run_timed(sim, requests)
-    return sim_result(sim, name=name or sim.decider.policy.name, host_s=host_s, cpu_s=cpu_s)
+    result = sim_result(sim, name=name or sim.decider.policy.name, host_s=host_s, cpu_s=cpu_s)
+    result["profile"] = profile_name
+    return result

@@ -39,7 +39,7 @@ import numpy as np
 
 from atom.config import EngineConfig, resolve_num_threads
 from atom.dp.sim.cost_model import Coefficients, CostModel, MicroBatch, Profile, micro_batch
-from atom.dp.sim.workload import TraceRequest, bursty, synthetic_prompt
+from atom.dp.sim.workload import VOCAB_RANGE, TraceRequest, bursty, synthetic_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +83,16 @@ def _entries(point: dict, core) -> list:
 
     entries, params = [], SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     for i, (n, ctx) in enumerate(point.get("prefill", [])):
-        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params)
+        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params,
+                       num_computed_tokens=ctx)
         core.block_manager.allocate(seq)
-        seq.num_computed_tokens = ctx
         entries.append((seq, n))
     num_decodes, ctx = point.get("decode", (0, 0))
     for i in range(num_decodes):
-        seq = Sequence(f"d{i}", list(synthetic_prompt(f"d{i}", ctx - 1)), params)
-        seq.token_ids.append(100)  # one output token: the next step decodes
+        # one output token after the prompt, all but it computed: the next step decodes
+        seq = Sequence(f"d{i}", [*synthetic_prompt(f"d{i}", ctx - 1), 100], params,
+                       num_prompt_tokens=ctx - 1, num_computed_tokens=ctx - 1)
         core.block_manager.allocate(seq)
-        seq.num_computed_tokens = ctx - 1
         entries.append((seq, 1))
     return entries
 
@@ -153,6 +153,11 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,
         prefill_policy=None, prefill_decode_interval=0, enable_expert_parallel=False,
         dp_trace=None, dp_load_balance="least_requests", max_model_len=2048))
+    if core.runtime.vocab_size < VOCAB_RANGE[1]:
+        core.close()
+        raise ValueError(f"atom sim calibrate draws token ids from {VOCAB_RANGE}: "
+                         f"{config.model}'s vocabulary of {core.runtime.vocab_size} tokens is "
+                         f"smaller; calibrate on a model with at least {VOCAB_RANGE[1]}")
     timer = _MLPTimer(core.runner.model)
     try:
         runs: list[list[tuple]] = [[] for _ in grid]
@@ -165,7 +170,8 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         facts = {"kv_cache_bytes_per_token": core.runtime.kv_cache_bytes
                  // (core.runtime.num_kv_blocks * config.block_size),
                  "max_position_embeddings": core.runner.arch_config.max_position_embeddings,
-                 "num_experts": config.moe_split_experts}
+                 "num_experts": core.num_experts,
+                 "architecture": core.runner.arch_config.architecture}
     finally:
         timer.remove()
         core.close()
@@ -175,7 +181,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
             for point, point_runs in zip(grid, runs)], facts
 
 
-def _features(mbs: list[MicroBatch]) -> list[float]:
+def feature_row(mbs: list[MicroBatch]) -> list[float]:
     """One design-matrix row: the per-rank terms of the cost model summed over micro-batches
     (order of :data:`_FEATURES`)."""
     real = [mb for mb in mbs if not mb.is_dummy]
@@ -208,7 +214,7 @@ def fit_grid(measurements: list[dict]) -> tuple[dict, dict]:
     """The per-rank coefficients and the fit's errors (relative, per point)."""
     mbs = [[MicroBatch(**mb) for mb in m["micro_batches"]] for m in measurements]
     t = np.array([m["seconds"] for m in measurements])
-    a = np.array([_features(x) for x in mbs], dtype=float)
+    a = np.array([feature_row(x) for x in mbs], dtype=float)
     coef = nnls(a / t[:, None], np.ones(len(t)))  # relative residuals
     tokens = np.array([sum(mb.num_tokens for mb in x) for x in mbs], dtype=float)
     mlp = np.array([m["mlp_seconds"] for m in measurements])

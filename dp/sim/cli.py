@@ -47,14 +47,24 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(args: argparse.Namespace, dp_size: int):
+    """The generated workload, or the trace file's; ValueError listing the generators for a
+    name that is neither."""
     from atom.dp.sim.workload import GENERATORS, read_workload, scaled
 
-    if args.workload not in GENERATORS:
+    if args.workload not in GENERATORS and pathlib.Path(args.workload).exists():
         if args.workload_arg:
             raise ValueError("--workload-arg applies to generated workloads, not to a file")
         return read_workload(args.workload)
     return scaled(args.workload, dp_size=dp_size, clock=args.clock, seed=args.workload_seed,
                   **dict(args.workload_arg))
+
+
+def _workload_label(args: argparse.Namespace) -> str:
+    """The workload as the header names it: the generator with the arguments given, or the
+    file."""
+    changed = ", ".join(f"{k}={v}" for k, v in args.workload_arg)
+    clock = "" if args.clock == "time" else f", {args.clock}-clocked"
+    return f"{args.workload}{f' ({changed}{clock})' if changed else f' ({clock[2:]})' if clock else ''}"
 
 
 def _write_json(path: str, data) -> None:
@@ -65,12 +75,14 @@ def _write_json(path: str, data) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from atom.dp.sim import format_table, simulate
+    from atom.dp.sim import format_table, run_header, simulate
 
     config = config_from_args(args)
     result = simulate(_workload(args, config.data_parallel_size), config, args.profile,
                       name=args.name, trace_dir=args.trace_dir,
                       slowest_rank=args.slowest_rank, dummy_cost=args.dummy_cost)
+    result["workload"] = _workload_label(args)
+    print("\n".join(run_header(result)))
     print(format_table([result]))
     sim = result["sim"]
     print(f"simulated {sim['simulated_s']:.1f} s in {sim['cpu_s']:.2f} CPU s "
@@ -81,13 +93,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from atom.dp.sim import format_table
+    from atom.dp.sim import format_sweep
+    from atom.dp.sim.metrics import wrap
     from atom.dp.sim.sweep import plot, sweep
 
-    results = sweep(base=config_from_args(args), workloads=args.workloads,
+    base = config_from_args(args)
+    results = sweep(base=base, workloads=args.workloads,
                     dp_sizes=args.dp_sizes, policies=args.policies, profile=args.profile,
                     clock=args.clock, seed=args.workload_seed, trace_root=args.trace_dir)
-    print(format_table(results))
+    first = results[0]
+    print("\n".join(wrap(f"sweep: policies {' '.join(args.policies)} x DP {' '.join(map(str, args.dp_sizes))} "
+          f"x workloads {' '.join(args.workloads)} ({args.clock}-clocked); EP "
+          f"{'on' if base.enable_expert_parallel else 'off'}, TBO "
+          f"{'on' if base.enable_tbo else 'off'}, {first['num_kv_blocks']} KV blocks a rank; "
+          f"profile {first['profile'] or '(given)'}")), end="\n\n")
+    print(format_sweep(results))
     _write_json(args.output_json, results)
     if args.plot:
         plot(results, args.plot, title=args.title)

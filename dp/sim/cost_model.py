@@ -161,7 +161,7 @@ def micro_batch(entries: Sequence[tuple[object, int, int]]) -> MicroBatch:
     for seq, offset, n in entries:
         start = seq.num_computed_tokens + offset
         num_tokens += n
-        num_sampled += start + n == len(seq.token_ids)
+        num_sampled += seq.samples_next_token(offset + n)
         if n == 1 and not seq.is_prefill:
             decode_context += start + 1
         else:

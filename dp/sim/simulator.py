@@ -37,7 +37,8 @@ from collections.abc import Sequence
 
 from atom.config import EngineConfig
 from atom.dp.dp_trace import format_row, tick_row, trace_header
-from atom.dp.prefill_policy import Decision, make_prefill_decider
+from atom.dp.prefill_decision import Decision
+from atom.dp.prefill_policy import make_prefill_decider
 from atom.dp.router import CacheAwareSettings, DPRouter
 from atom.dp.sim.cost_model import CostModel, StepCost
 from atom.dp.sim.rank import RequestRecord, SimRank

@@ -12,6 +12,7 @@ from atom.benchmarks.serving import (
     RequestResult,
     add_bench_serve_args,
     arrival_gaps_s,
+    format_table,
     load_requests,
     parse_goodput,
     summarize,
@@ -96,3 +97,13 @@ def test_summary_statistics():
     assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_tpot_ms"] == pytest.approx(150.0)
     assert s["p99_itl_ms"] == pytest.approx(400.0) and s["mean_e2el_ms"] == pytest.approx(1700.0)
     assert s["goodput"] == 0.5  # only the fast request meets TTFT <= 200 ms
+
+
+def test_the_table_prints_the_median_once():
+    result = RequestResult(success=True, ttft_s=0.1, e2e_s=1.1, itl_s=[0.1] * 10,
+                           prompt_tokens=10, output_tokens=11)
+    summary = summarize([result], 1.0, percentiles=[50, 90, 99], slos_ms={})
+    assert summary["p50_ttft_ms"] == summary["median_ttft_ms"]  # both stay in the JSON
+    labels = [line.split(":")[0] for line in format_table(summary, [50, 90, 99]).splitlines()]
+    assert [label for label in labels if "TTFT" in label] == [
+        "Mean TTFT (ms)", "Median TTFT (ms)", "P90 TTFT (ms)", "P99 TTFT (ms)"]

@@ -211,7 +211,7 @@ def test_last_prompt_token_chunk_is_held_when_prefill_is_not_allowed():
     d.step()
     assert a.num_computed_tokens == 8
     out = d.step(allow_prefill=False)
-    assert out.is_empty and out.prefill_held and a.num_computed_tokens == 8
+    assert out.is_empty and sched.has_pending_prefill() and a.num_computed_tokens == 8
     assert ids(d.step()) == [("a", 1)] and a.output_token_ids == [100]
 
 
@@ -518,20 +518,19 @@ def test_holding_admits_nothing_and_schedules_no_prefill_chunks_but_decodes():
     sched.add(c)
     for _ in range(2):
         out = d.step(allow_prefill=False)
-        assert ids(out) == [("a", 1)] and out.prefill_held
+        assert ids(out) == [("a", 1)] and sched.has_pending_prefill()
         assert b.num_computed_tokens == 7 and list(sched.waiting) == [c]
     out = d.step()
-    assert ids(out) == [("a", 1), ("b", 7)] and not out.prefill_held
+    assert ids(out) == [("a", 1), ("b", 7)]
     assert ids(d.step()) == [("a", 1), ("b", 6), ("c", 1)]
 
 
-def test_holding_with_nothing_to_hold_is_not_reported():
+def test_holding_keeps_a_waiting_sequence_queued():
     sched = make_scheduler()
-    out = sched.schedule(allow_prefill=False)
-    assert out.is_empty and not out.prefill_held
+    assert sched.schedule(allow_prefill=False).is_empty
     sched.add(make_seq(prompt(3)))
     out = sched.schedule(allow_prefill=False)
-    assert out.is_empty and out.prefill_held and sched.num_waiting == 1
+    assert out.is_empty and sched.has_pending_prefill() and sched.num_waiting == 1
 
 
 # ----- preview_admission: a side-effect-free dry run of admission -----

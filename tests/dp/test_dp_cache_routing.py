@@ -20,7 +20,7 @@ from atom.dp.router import DPRouter
 from atom.kv_events import BlockRemoved
 from atom.engine.kv_subscriber import wire_block_hashes
 from tests.engine.test_kv_subscriber import RecordingSubscriber
-from tests.utils import build_tiny_llama
+from tests.utils import save_tiny_llama
 
 
 BLOCK_SIZE = 16
@@ -40,7 +40,8 @@ VOCAB_SIZE = 40_000
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_llama(folder, vocab_size=VOCAB_SIZE)
+    save_tiny_llama(folder, tokenizer=False, vocab_size=VOCAB_SIZE,
+                    max_position_embeddings=4096)
     llm = LLM(str(folder), data_parallel_size=2, dp_load_balance="cache_aware",
               skip_tokenizer_init=True, **OPTIONS)
     yield llm

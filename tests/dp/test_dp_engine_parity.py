@@ -129,3 +129,28 @@ def test_request_sent_after_the_group_went_idle_unseen_wakes_every_rank(dp_llm):
     woken = _wait_idle(dp_llm)
     assert all(w["tick"] > s["tick"] for w, s in zip(woken, stats))
     assert client.wave_id == woken[0]["wave_id"]
+
+
+# ----- sampling streams (issue 38): each rank its own, a seeded request's the same anywhere -----
+
+STORY = "Once upon a time"
+NUM_COPIES = 8
+
+
+def test_identical_unseeded_requests_differ_on_two_ranks_as_on_one(ref_llm, dp_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    one = [o.outputs[0].text for o in ref_llm.generate([STORY] * NUM_COPIES, params)]
+    half = NUM_COPIES // 2
+    two = [o.outputs[0].text for o in dp_llm.generate(
+        [STORY] * NUM_COPIES, params, data_parallel_rank=[0] * half + [1] * half)]
+    assert len(set(one)) == NUM_COPIES, one
+    # with one stream per config, rank 1's k-th request drew rank 0's k-th noise: equal pairs
+    assert len(set(two)) == NUM_COPIES, two
+
+
+def test_a_seeded_request_gives_the_same_text_on_either_rank_and_on_one(ref_llm, dp_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    texts = {dp_llm.generate([STORY], params, data_parallel_rank=rank)[0].outputs[0].text
+             for rank in (0, 1)}
+    texts.add(ref_llm.generate([STORY], params)[0].outputs[0].text)
+    assert len(texts) == 1, texts

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from atom import LLM
-from tests.moe_utils import (OPTIONS, PARAMS, PROMPTS, assert_logprobs_close, build_tiny_mixtral,
-                             idle_rank_stats, tiny_prompts)
+from tests.moe_utils import (OPTIONS, PARAMS, PROMPTS, build_tiny_mixtral, idle_rank_stats,
+                             run_on_two_ep_ranks, tiny_prompts)
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
 
 
@@ -43,17 +43,6 @@ def test_split_experts_on_two_ranks_equal_the_dense_model(dense_reference):
 def test_tiny_mixtral_experts_over_two_ranks_match_transformers(tmp_path, enable_tbo):
     model = build_tiny_mixtral(tmp_path)
     prompts = tiny_prompts()
-    reference = hf_greedy(model, prompts, 12)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    with LLM(str(tmp_path), **{**OPTIONS, "max_model_len": 256}, skip_tokenizer_init=True,
-             data_parallel_size=2, enable_expert_parallel=True, enable_tbo=enable_tbo) as llm:
-        # uneven first (everything on rank 0, rank 1 in dummy batches), then spread
-        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
-        spread = ours_greedy(llm.generate(requests, PARAMS))
-        stats = idle_rank_stats(llm)
-    for name, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
-        check_greedy_close(ours, reference, name=f"tiny mixtral, EP, {name}, tbo={enable_tbo}")
-        assert_logprobs_close(ours, reference)
-    assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
-    assert stats[0]["collective_count"] == stats[1]["collective_count"]
+    stats = run_on_two_ep_ranks(tmp_path, prompts, enable_tbo=enable_tbo, name="tiny mixtral",
+                                reference=hf_greedy(model, prompts, 12))
     assert (stats[0]["num_tbo_steps"] > 0) == enable_tbo

@@ -54,7 +54,7 @@ def test_no_rank_ready_allows_and_ends_the_episode():
     d = coalescer()
     assert reasons(d, [UNDERFILLED, gathered(rank(0, pending=True), rank(0))]) == [
         R.HOLD_FILL, R.ALLOW_NONE]
-    assert d.policy._num_holds == 0
+    assert d.decide(UNDERFILLED).num_consecutive_holds == 1  # a new episode
 
 
 def test_fires_when_the_sum_over_ranks_fills_the_target():

@@ -76,10 +76,10 @@ def test_gathered_control_arrays_and_helpers():
     np.testing.assert_array_equal(g.num_running_decodes, [0, 2])
     np.testing.assert_array_equal(g.has_partial_prefill, [False, True])
     np.testing.assert_array_equal(g.oldest_waiting_age_ticks, [0, 6])
+    np.testing.assert_array_equal(g.wave_id, [2, 3])
     assert g.has_partial_prefill.dtype == bool
     assert g.has_work.dtype == bool and g.num_admittable.dtype == np.int64
     assert g.any_has_work() and g.all_shutdown() and g.any_shutdown()
-    assert g.max_wave_id() == 3
     assert g.in_lockstep()
 
     idle = GatheredControl.from_states([ControlState(has_work=False)] * 3)
@@ -122,12 +122,10 @@ def test_gathered_batch_shape():
     np.testing.assert_array_equal(g.num_prefill_tokens, [0, 0, 292])
     np.testing.assert_array_equal(g.num_decode_seqs, [2, 0, 8])
     assert g.has_prefill.dtype == bool and g.num_decode_seqs.dtype == np.int64
-    assert (g.max_num_tokens, g.total_num_tokens) == (300, 308)
-    assert not g.tbo_agreed and not g.all_dummy()
+    assert g.max_num_tokens == 300 and not g.tbo_agreed
 
     agreed = GatheredBatchShape.from_shapes([BatchShape(5, 1, tbo_eligible=True)] * 2)
     assert agreed.tbo_agreed
-    assert GatheredBatchShape.from_shapes([BatchShape(1, 0, is_dummy=True)] * 2).all_dummy()
 
 
 def test_mixed_prefill_steps():

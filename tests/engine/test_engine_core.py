@@ -9,6 +9,7 @@ by side, a core killed with SIGKILL or failing at start-up, a malformed frame, a
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import pathlib
 import signal
@@ -20,7 +21,7 @@ import pytest
 from atom import LLM, SamplingParams
 from atom.config import EngineConfig
 from atom.engine.llm_engine import LLMEngine
-from atom.engine.core_client import EngineDeadError, MPClient
+from atom.engine.core_client import EngineDeadError, EngineStartError, MPClient
 from atom.engine.kv_subscriber import KVEventSubscriber
 from atom.messages import EngineCoreRequest, SeqOutput
 
@@ -215,11 +216,24 @@ def test_killed_core_raises_engine_dead_error_quickly():
         assert time.monotonic() - start < DEAD_DEADLINE_S
 
 
-def test_core_failing_at_start_up_reports_exit_code_and_stderr(tmp_path):
+def test_core_failing_at_start_up_says_why_in_one_line(tmp_path, capfd):
     missing = tmp_path / "no-such-model.gguf"
-    with pytest.raises(RuntimeError, match="failed to start") as info:
+    with pytest.raises(EngineStartError) as info:
         MPClient(EngineConfig(model=str(missing), num_kv_blocks=8))
-    assert "exit code 1" in str(info.value) and "no-such-model" in str(info.value)
+    assert str(info.value).startswith(f"the engine core failed to start: model '{missing}' "
+                                      f"not found: pass a path")
+    assert len(str(info.value).splitlines()) == 1  # no stderr tail, no traceback
+    assert "Traceback" not in capfd.readouterr().err  # the core's stderr is forwarded to ours
+    atom_logger = logging.getLogger("atom")
+    level = atom_logger.level
+    atom_logger.setLevel(logging.DEBUG)  # the cores log at the front end's level
+    try:
+        with pytest.raises(EngineStartError):
+            MPClient(EngineConfig(model=str(missing), num_kv_blocks=8))
+    finally:
+        atom_logger.setLevel(level)
+    err = capfd.readouterr().err
+    assert "Traceback (most recent call last)" in err and "FileNotFoundError: model" in err
 
 
 # ----- no pickle -----

@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from atom.kernels import gguf as G
 from atom.kernels.linear import pack_weight
-from atom.models.llama import QUANTIZED_MAX_ROWS, Linear
+from atom.layers.linear import QUANTIZED_MAX_ROWS, Linear
 
 TYPES = {G.Q4_1: gguf.GGMLQuantizationType.Q4_1, G.Q8_0: gguf.GGMLQuantizationType.Q8_0}
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels.linear import pack_weight, packed_linear
-from atom.models.llama import Linear
+from atom.layers.linear import Linear
 
 gen = torch.Generator().manual_seed(0)
 weight = torch.randn(96, 40, generator=gen)

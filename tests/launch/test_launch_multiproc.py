@@ -124,8 +124,8 @@ def test_two_ranks_on_one_node(tmp_path):
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for local_rank, r in enumerate(results):
         assert r["local_rank"] == local_rank and r["local_world_size"] == 2
-        assert r["node_rank"] == "0" and r["launched_by_launcher"]
-        assert not r["launched_by_torchrun"]
+        assert r["node_rank"] == "0" and r["launcher_pid"]
+        assert not r["torchrun_run_id"]
         assert r["omp_num_threads"] == str(threads) and r["torch_threads"] == threads
     assert "all 2 ranks exited cleanly" in err
 
@@ -240,7 +240,7 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     assert rc == 0, err
     results = _results(tmp_path)
     _assert_gathered_ranks(results)
-    assert all(r["launched_by_torchrun"] and not r["launched_by_launcher"] for r in results)
+    assert all(r["torchrun_run_id"] and not r["launcher_pid"] for r in results)
 
 
 def test_default_command_is_an_atom_subcommand(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from atom.dp.groups import RankInfo
 from atom.launch import restarts
-from atom.launch.launcher import LaunchConfig, _worker_specs, parse_config
+from atom.launch.launcher import LaunchConfig, parse_config, worker_specs
 from atom.launch.supervisor import Outcome
 from atom.launch.workers import WorkerFailure
 
@@ -32,8 +32,8 @@ def test_flag_and_validation():
 
 def test_each_start_has_its_count_and_its_own_logs(tmp_path):
     config = LaunchConfig(command=("serve",), nproc_per_node=2, max_restarts=1)
-    first, second = (_worker_specs(config, master_port=1, log_dir=str(tmp_path),
-                                   restart_count=k) for k in (0, 1))
+    first, second = (worker_specs(config, master_port=1, log_dir=str(tmp_path),
+                                  restart_count=k) for k in (0, 1))
     info = RankInfo.from_env(second[1].env)
     assert (info.restart_count, info.max_restarts) == (1, 1)
     assert RankInfo.from_env(first[0].env).restart_count == 0
@@ -41,7 +41,7 @@ def test_each_start_has_its_count_and_its_own_logs(tmp_path):
     assert [os.path.basename(s.log_path) for s in first + second] == [
         "rank0.stderr.log", "rank1.stderr.log", "rank0.restart1.stderr.log",
         "rank1.restart1.stderr.log"]
-    plain = _worker_specs(LaunchConfig(command=("serve",)), master_port=1, log_dir=str(tmp_path))
+    plain = worker_specs(LaunchConfig(command=("serve",)), master_port=1, log_dir=str(tmp_path))
     assert "TORCHELASTIC_RESTART_COUNT" not in plain[0].env  # no restarts: nothing new
 
 

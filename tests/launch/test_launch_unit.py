@@ -82,9 +82,8 @@ def test_worker_env_is_the_rank_contract():
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     info = RankInfo.from_env(env)
     assert (info.rank, info.world_size, info.local_world_size) == (3, 6, 2)
-    assert launch_env.launched_by_launcher(env)
+    assert env["ATOM_LAUNCHER_PID"] and "TORCHELASTIC_RUN_ID" not in env
     assert not hosts_store(info, env)  # the launcher hosts it: rank 0 too joins as a client
-    assert not launch_env.launched_by_torchrun(env)
     # a user's OMP_NUM_THREADS wins; one core still gives every rank a thread
     assert worker_env(cfg, local_rank=0, master_port=1, error_path="/e", num_cpus=8,
                       base_env={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
@@ -97,9 +96,7 @@ def test_rank_env_detection():
                 "MASTER_PORT": "1"}
     assert launch_env.rank_env_present(contract)
     assert not launch_env.rank_env_present({**contract, "MASTER_PORT": ""})
-    assert not launch_env.launched_by_launcher(contract)
-    assert launch_env.launched_by_torchrun({**contract, "TORCHELASTIC_RUN_ID": "x"})
-    assert not launch_env.launched_by_launcher({"ATOM_LAUNCHER_PID": "1"})  # no contract
+    assert not launch_env.rank_env_present({"ATOM_LAUNCHER_PID": "1"})  # no contract
 
 
 def test_rank_0_hosts_the_store_without_an_agent():

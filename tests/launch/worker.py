@@ -91,8 +91,8 @@ def main() -> None:
         "local_world_size": info.local_world_size, "node_rank": os.environ.get("NODE_RANK"),
         "gathered": gathered.tolist(), "endpoints": endpoints,
         "rank_env_present": launch_env.rank_env_present(),
-        "launched_by_launcher": launch_env.launched_by_launcher(),
-        "launched_by_torchrun": launch_env.launched_by_torchrun(),
+        "launcher_pid": os.environ.get("ATOM_LAUNCHER_PID"),
+        "torchrun_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch_threads": torch.get_num_threads(),
     }

@@ -1,6 +1,8 @@
-"""The MoE layer on one rank: the split-MLP model (a) equals the dense MLP, softmax top-k routing
-equals transformers' Mixtral block, sharded experts sum to the whole layer, and a tiny random
-Mixtral (model (b)) generates what transformers generates, with and without two-batch overlap."""
+"""The MoE layer on one rank: the split-MLP model (a) equals the dense MLP, each routing function
+equals transformers' router (Mixtral's; Qwen3-MoE's with and without ``norm_topk_prob``), the
+MoE layer equals transformers' Mixtral and Qwen3-MoE blocks (the latter as two expert-parallel
+halves), sharded experts sum to the whole layer, and a tiny random Mixtral (model (b)) generates what
+transformers generates, with and without two-batch overlap."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from atom import LLM, SamplingParams
-from atom.layers.moe import MoE, moe_from_dense_mlp
+from atom.layers.moe import (ExpertShard, MoE, expert_range, moe_from_dense_mlp, softmax_topk,
+                             unit_routing)
 from tests.moe_utils import assert_logprobs_close, build_tiny_mixtral, tiny_prompts
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
 
@@ -39,8 +42,7 @@ def _mixtral_block_and_ours():
         torch.nn.init.normal_(p, std=0.3)
     ours = MoE(hidden_size=32, intermediate_size=40, num_experts=6, top_k=2)
     ours.router.weight.data.copy_(block.gate.weight)
-    ours.gate_up_proj.data.copy_(block.experts.gate_up_proj)
-    ours.down_proj.data.copy_(block.experts.down_proj)
+    ours.set_expert_weights(block.experts.gate_up_proj, block.experts.down_proj)
     return block, ours
 
 
@@ -49,6 +51,74 @@ def test_softmax_top_k_routing_matches_transformers_mixtral_block():
     block, ours = _mixtral_block_and_ours()
     x = torch.randn(9, 32)
     torch.testing.assert_close(ours(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
+def _qwen3_moe_config(norm_topk_prob: bool):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=6,
+                          num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_softmax_topk_matches_transformers_qwen3_moe_router(norm_topk_prob):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    torch.manual_seed(0)
+    router = Qwen3MoeTopKRouter(_qwen3_moe_config(norm_topk_prob))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(11, 32)
+    _, ref_gates, ref_ids = router(x)
+    ids, gates = softmax_topk(x @ router.weight.T, 3, renormalize=norm_topk_prob)
+    assert torch.equal(ids, ref_ids) and gates.dtype == torch.float32
+    torch.testing.assert_close(gates, ref_gates.float(), rtol=0, atol=1e-6)
+    assert torch.allclose(gates.sum(-1), torch.ones(11)) == norm_topk_prob
+
+
+@torch.inference_mode()
+def test_softmax_topk_matches_transformers_mixtral_router():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    torch.manual_seed(0)
+    router = MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=6,
+                                             num_experts_per_tok=2))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(11, 32)
+    _, ref_gates, ref_ids = router(x)
+    ids, gates = softmax_topk(x @ router.weight.T, 2, renormalize=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(gates, ref_gates, rtol=0, atol=1e-6)
+
+
+def test_unit_routing_sends_every_token_to_the_first_k_experts():
+    ids, gates = unit_routing(3, 4)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 3 and gates.tolist() == [[1.0] * 4] * 3
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_moe_layer_matches_transformers_qwen3_moe_block(norm_topk_prob):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(_qwen3_moe_config(norm_topk_prob)).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(9, 32)
+    ref = block(x[None])[0]
+    whole = torch.zeros_like(ref)
+    for rank in range(2):  # the two halves of expert parallelism sum to the layer
+        ours = MoE(hidden_size=32, intermediate_size=24, num_experts=6, top_k=3,
+                   renormalize=norm_topk_prob, expert_shard=ExpertShard(rank, 2))
+        start, end = expert_range(6, rank, 2)
+        ours.router.weight.data.copy_(block.gate.weight)
+        ours.set_expert_weights(block.experts.gate_up_proj[start:end],
+                                block.experts.down_proj[start:end])
+        ids, gates = ours.route(x)
+        whole += ours.experts(x, ids, gates)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()

@@ -13,92 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
-from atom.sampling_params import SamplingParams
-from atom.core.sequence import Sequence
-
-BLOCK_SIZE = 16
-NUM_KV_BLOCKS = 64
-ATOL = 1e-3  # fp32, same math, different GEMM shapes (fused QKV / gate-up): ~1e-5 seen
-
-
-class BlockPool:
-    """Trivial allocator: hands out blocks from a shuffled free list (non-contiguous tables)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.free = torch.randperm(NUM_KV_BLOCKS, generator=gen).tolist()
-
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_table) * BLOCK_SIZE < num_tokens:
-            seq.block_table.append(self.free.pop())
-
-
-def _seq(token_ids: list[int], *, prompt_logprobs: int | None = None) -> Sequence:
-    return Sequence(request_id="r", token_ids=list(token_ids),
-                    sampling_params=SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs))
-
-
-def _step(runner: ModelRunner, pool: BlockPool, scheduled: list[tuple[Sequence, int]]):
-    """Allocate, run and advance like the scheduler would (the runner itself mutates nothing)."""
-    for seq, n in scheduled:
-        pool.grow(seq, seq.num_computed_tokens + n)
-    out = runner.execute_model(scheduled)
-    for seq, n in scheduled:
-        seq.num_computed_tokens += n
-    return out
-
-
-def _random_tokens(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def _hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([token_ids])).logits[0].float()
-
-
-def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.dtype == torch.float32 and ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() < ATOL
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-def _check_prefill_then_decode(runner, hf_model, prompt: list[int]) -> None:
-    """Whole prompt in one step (with prompt logits), then two decode steps."""
-    pool = BlockPool()
-    seq = _seq(prompt, prompt_logprobs=0)
-    out = _step(runner, pool, [(seq, len(prompt))])
-    ref = _hf_logits(hf_model, prompt)
-    assert out.sampled_seq_ids == [seq.seq_id]
-    _assert_close(out.logits, ref[-1:])
-    _assert_close(out.prompt_logits[seq.seq_id], ref[:-1])
-    for _ in range(2):
-        seq.token_ids.append(int(out.logits[0].argmax()))
-        out = _step(runner, pool, [(seq, 1)])
-        assert seq.seq_id not in out.prompt_logits  # decode computes no prompt position
-        _assert_close(out.logits, _hf_logits(hf_model, seq.token_ids)[-1:])
-
-
-def _check_chunked_mixed_batch(runner, hf_model, vocab: int) -> None:
-    """A 50-token prompt in two chunks (20 + 30), batched with another sequence that prefills in
-    the first step and decodes in the second; the second step lists the chunk first, so the
-    runner's decode-first reordering must not leak into the output order."""
-    pool = BlockPool(seed=1)
-    chunked = _seq(_random_tokens(50, vocab, seed=2), prompt_logprobs=0)
-    other = _seq(_random_tokens(11, vocab, seed=3))
-    out1 = _step(runner, pool, [(chunked, 20), (other, 11)])
-    assert out1.sampled_seq_ids == [other.seq_id]  # the half-done prompt is not sampled
-    _assert_close(out1.logits, _hf_logits(hf_model, other.token_ids)[-1:])
-    other.token_ids.append(int(out1.logits[0].argmax()))
-    out2 = _step(runner, pool, [(chunked, 30), (other, 1)])
-    assert out2.sampled_seq_ids == [chunked.seq_id, other.seq_id]
-    ref = _hf_logits(hf_model, chunked.token_ids)
-    _assert_close(out2.logits[:1], ref[-1:])
-    _assert_close(out2.logits[1:], _hf_logits(hf_model, other.token_ids)[-1:])
-    prompt_logits = torch.cat(
-        [out1.prompt_logits[chunked.seq_id], out2.prompt_logits[chunked.seq_id]])
-    _assert_close(prompt_logits, ref[:-1])
-
+from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool,
+                                        check_chunked_mixed_batch, check_prefill_then_decode,
+                                        hf_logits, random_tokens, seq_of)
 
 # --------------------------------------------------------------------------------------------
 # embedded SmolLM2 GGUF
@@ -112,11 +29,11 @@ def smol_runner():
 
 
 def test_smollm2_prefill_and_decode_match_transformers(smol_runner, embedded_hf_model):
-    _check_prefill_then_decode(smol_runner, embedded_hf_model, _random_tokens(37, 49152, seed=0))
+    check_prefill_then_decode(smol_runner, embedded_hf_model, random_tokens(37, 49152, seed=0))
 
 
 def test_smollm2_chunked_prefill_in_mixed_batch_matches_transformers(smol_runner, embedded_hf_model):
-    _check_chunked_mixed_batch(smol_runner, embedded_hf_model, 49152)
+    check_chunked_mixed_batch(smol_runner, embedded_hf_model, 49152)
 
 
 def test_empty_step_and_padding_write_no_kv(smol_runner):
@@ -129,7 +46,7 @@ def test_empty_step_and_padding_write_no_kv(smol_runner):
 
 
 def test_runner_rejects_a_step_that_does_not_fit(smol_runner):
-    seq = _seq([1, 2, 3, 4])
+    seq = seq_of([1, 2, 3, 4])
     with pytest.raises(ValueError, match="block table"):
         smol_runner.execute_model([(seq, 4)])  # no blocks allocated
     seq.block_table = [0]
@@ -174,12 +91,12 @@ def tiny_llama(request, tmp_path_factory):
 
 def test_tiny_llama_prefill_and_decode_match_transformers(tiny_llama):
     runner, hf_model = tiny_llama
-    _check_prefill_then_decode(runner, hf_model, _random_tokens(23, 256, seed=5))
+    check_prefill_then_decode(runner, hf_model, random_tokens(23, 256, seed=5))
 
 
 def test_tiny_llama_chunked_prefill_in_mixed_batch_matches_transformers(tiny_llama):
     runner, hf_model = tiny_llama
-    _check_chunked_mixed_batch(runner, hf_model, 256)
+    check_chunked_mixed_batch(runner, hf_model, 256)
 
 
 def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tmp_path):
@@ -189,7 +106,7 @@ def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tm
     from atom.kernels import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
-    monkeypatch.setattr("atom.models.llama.pack_weight", lambda weight: None)
+    monkeypatch.setattr("atom.layers.linear.pack_weight", lambda weight: None)
     _, hf_config = _tiny_llama_config_and_hf(tie=True)
     torch.manual_seed(0)
     hf_model = LlamaForCausalLM(hf_config).eval()
@@ -198,8 +115,8 @@ def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tm
     runner = ModelRunner(config, state_dict, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
                          block_size=BLOCK_SIZE, max_model_len=256)
     assert runner.model.layers[0].mlp.gate_up_proj.weight is not None  # left dense
-    _check_prefill_then_decode(runner, hf_model, _random_tokens(23, 256, seed=5))
-    _check_chunked_mixed_batch(runner, hf_model, 256)
+    check_prefill_then_decode(runner, hf_model, random_tokens(23, 256, seed=5))
+    check_chunked_mixed_batch(runner, hf_model, 256)
 
 
 def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(embedded_hf_model):
@@ -210,13 +127,13 @@ def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(embedded_hf_model
     config, state_dict = load_model_weights(None, torch.bfloat16)
     runner = ModelRunner(config, state_dict, dtype=torch.bfloat16, num_kv_blocks=NUM_KV_BLOCKS,
                          block_size=BLOCK_SIZE, max_model_len=128)
-    prompt = _random_tokens(40, 49152, seed=7)
-    seq = _seq(prompt, prompt_logprobs=0)
+    prompt = random_tokens(40, 49152, seed=7)
+    seq = seq_of(prompt, prompt_logprobs=0)
     BlockPool().grow(seq, len(prompt))
     out = runner.execute_model([(seq, len(prompt))])
     ours = torch.cat([out.prompt_logits[seq.seq_id], out.logits])
-    ref_fp32 = _hf_logits(embedded_hf_model, prompt)
-    ref_bf16 = _hf_logits(copy.deepcopy(embedded_hf_model).to(torch.bfloat16), prompt)
+    ref_fp32 = hf_logits(embedded_hf_model, prompt)
+    ref_bf16 = hf_logits(copy.deepcopy(embedded_hf_model).to(torch.bfloat16), prompt)
     our_err = (ours - ref_fp32).abs().mean().item()
     hf_err = (ref_bf16 - ref_fp32).abs().mean().item()
     # Both are bf16 noise (~0.1-0.2 on logits of magnitude ~30) that varies by prompt, with

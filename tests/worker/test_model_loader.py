@@ -153,3 +153,46 @@ def test_quantization_gguf_needs_a_gguf_file_and_float32(tmp_path):
     with pytest.raises(ValueError, match="quantization='awq' is not supported"):
         EngineConfig(quantization="awq")
     assert EngineConfig(quantization="gguf").resolved_dtype() == "float32"
+
+
+def _tiny_qwen3_moe_config(**overrides) -> dict:
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+              "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "head_dim": 16,
+              "moe_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+              "use_sliding_window": False, "sliding_window": None,
+              "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+    config.update(overrides)
+    return config
+
+
+def test_arch_config_from_hf_parses_the_family_settings():
+    from atom.models.qwen3 import Qwen3MoeConfig
+
+    config = arch_config_from_hf(_tiny_qwen3_moe_config())
+    assert config.head_dim == 16 and config.rope_theta == 1e6
+    assert config.family == Qwen3MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(1,))
+    # transformers 5 writes num_local_experts where published checkpoints say num_experts
+    renamed = _tiny_qwen3_moe_config(num_local_experts=4)
+    del renamed["num_experts"]
+    assert arch_config_from_hf(renamed).family == config.family
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"moe_intermediate_size": None}, "config.json has no 'moe_intermediate_size', which "
+                                      "Qwen3MoeForCausalLM needs"),
+    ({"num_experts": None}, "no 'num_experts'"),
+    ({"head_dim": None}, "no 'head_dim'"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true is not "
+                                                         "supported"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+    ({"architectures": ["GptOssForCausalLM"]}, "unsupported architecture 'GptOssForCausalLM'"),
+])
+def test_qwen3_moe_config_errors_name_what_to_change(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        arch_config_from_hf(_tiny_qwen3_moe_config(**overrides))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from atom.core.block_manager import BlockManager
-from atom.worker.sampler import Sampler, apply_penalties, filter_probs, top_logprobs
+from atom.worker.sampler import (Sampler, apply_penalties, filter_probs, rank_stream_seed,
+                                 top_logprobs)
 from atom.sampling_params import SamplingParams
 from atom.core.scheduler import Scheduler, SchedulerConfig
 from atom.core.sequence import Sequence
@@ -219,3 +220,23 @@ def test_ignore_eos_keeps_generating_eos_until_max_tokens():
     seq = _scripted_run(params, [EOS])
     # ignore_eos: EOS is neither masked nor a stop
     assert seq.output_token_ids == [EOS] * 5 and seq.finish_reason.value == "length"
+
+
+# ----- streams (issue 38: ranks built from one config never share one) -----
+
+def test_each_dp_rank_draws_from_its_own_stream_and_seeded_requests_from_theirs():
+    assert rank_stream_seed(0, 0) != rank_stream_seed(0, 1) != rank_stream_seed(1, 0)
+    assert rank_stream_seed(3, 1) == rank_stream_seed(3, 1)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        rank_stream_seed(-1, 0)
+    logits = torch.zeros(1, 1000)  # uniform: every draw is the noise's argmax
+
+    def draws(params: SamplingParams, dp_rank: int) -> list[int]:
+        sampler, seq = Sampler(seed=0, dp_rank=dp_rank), _seq(params)
+        return [sampler(logits, [seq]).token_ids[0] for _ in range(8)]
+
+    unseeded = SamplingParams(temperature=1.0)
+    assert draws(unseeded, 0) != draws(unseeded, 1)
+    assert draws(unseeded, 1) == draws(unseeded, 1)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    assert draws(seeded, 0) == draws(seeded, 1)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
 from atom.core.block_manager import BlockManager
 from atom.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVLayout, KeepSpec, LoadSpec
+from atom.kv_cache_spec import KVCacheSpec
 from atom.worker.tcp_kv_connector import TCPKVConnector
 from atom.messages import KVTransferParams
 from atom.sampling_params import SamplingParams
@@ -142,15 +144,18 @@ def test_check_request_refuses_mismatched_params():
 
 # ----- the TCP transport, two real connectors -----
 
-LAYOUT = KVLayout(dtype="float32", block_size=BS, num_kv_heads=2, head_dim=8, num_layers=3)
+# per-layer shapes differ: two K/V layers and a latent one (an MLA layer's cache)
+LAYERS = (KVCacheSpec(num_kv_heads=2, head_dim=8), KVCacheSpec(num_kv_heads=2, head_dim=8),
+          KVCacheSpec(num_kv_heads=1, head_dim=12, latent=True))
+LAYOUT = KVLayout(architecture="TinyForCausalLM", dtype="float32", block_size=BS, layers=LAYERS)
 
 
 def caches(layout: KVLayout, num_blocks: int, *, seed: int | None) -> list[torch.Tensor]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[layout.dtype]
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    shapes = [spec.shape(num_blocks, layout.block_size) for spec in layout.layers]
     return [torch.randn(shape, generator=gen).to(dtype) if gen else torch.zeros(shape, dtype=dtype)
-            for _ in range(layout.num_layers)]
+            for shape in shapes]
 
 
 def wait_output(connector: TCPKVConnector, done, timeout_s: float = 20.0):
@@ -191,23 +196,29 @@ def test_pull_copies_every_layer_and_confirms(producer):
             assert not mine[:, [1, 2, 4, 5, 6, 7]].any()  # nothing else written
         sent = wait_output(producer, lambda o: o.finished_sending)
         assert sent.finished_sending == {"p-c"} and producer.num_kept_blocks() == 0
-        nbytes = 3 * 2 * 2 * BS * 2 * 8 * 4  # layers x blocks x (K, V) x tokens x heads x dim x 4
+        # blocks x tokens x (two layers of K, V x heads x dim + one latent of 12) x 4 bytes
+        nbytes = 2 * BS * (2 * (2 * 2 * 8) + 12) * 4
         assert consumer.stats["kv_transfer_bytes"] == nbytes == producer.stats["kv_transfer_bytes"]
         assert consumer.stats["kv_transfers"] == 1 == producer.stats["kv_transfers"]
     finally:
         consumer.close()
 
 
-def test_layout_mismatch_is_refused_naming_both_layouts(producer):
-    bf16 = KVLayout(dtype="bfloat16", block_size=BS, num_kv_heads=2, head_dim=8, num_layers=3)
-    consumer = TCPKVConnector("consumer", caches(bf16, 8, seed=None), bf16)
+@pytest.mark.parametrize("theirs, named", [
+    (dict(dtype="bfloat16"), ("dtype=float32", "dtype=bfloat16")),
+    (dict(architecture="LlamaForCausalLM", layers=(KVCacheSpec(num_kv_heads=2, head_dim=8),) * 3),
+     ("layers 0-1: K+V 2 heads x 8; layer 2: latent 12", "layers 0-2: K+V 2 heads x 8")),
+], ids=["dtype", "per-layer shapes"])
+def test_layout_mismatch_is_refused_naming_both_layouts(producer, theirs, named):
+    layout = msgspec.structs.replace(LAYOUT, **theirs)
+    consumer = TCPKVConnector("consumer", caches(layout, 8, seed=None), layout)
     try:
         producer.start_load_kv(KVConnectorMetadata(keeps=[KeepSpec("p-c", [1])]))
         consumer.start_load_kv(KVConnectorMetadata(loads=[load("c", producer.port, [1], [0])]))
         out = wait_output(consumer, lambda o: o.failed_recving)
         error = out.failed_recving["c"]
         assert "KV layout mismatch" in error
-        assert "dtype=float32" in error and "dtype=bfloat16" in error
+        assert all(part in error for part in named), error
         assert not any(c.any() for c in consumer.kv_caches)
     finally:
         consumer.close()

@@ -17,9 +17,12 @@ within a step. ``/health`` is 503 once an engine core has exited or does not ans
 within ``_HEALTH_TIMEOUT_S``, and at once while the engine recovers from a rank failure (its
 JSON body says which rank failed and why, and the membership: generation, DP size, ranks).
 
-SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
-``--drain-timeout`` seconds for in-flight responses, then cancels the rest (which aborts their
-requests); then the engine cores shut down and the process exits 0.
+Once it listens, the server prints where on stderr (``serving on http://127.0.0.1:8000 (model
+NAME, DP 2, EP on)``). SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and
+waits up to ``--drain-timeout`` seconds for in-flight responses, then cancels the rest (which
+aborts their requests); then, with several DP ranks, one line on stderr says what they did
+(:func:`atom.dp.run_summary.print_dp_summary`), the engine cores shut down and the process
+exits 0.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import logging
 import secrets
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -65,13 +70,13 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
     @v1.post("/completions")
     async def completions(req: p.CompletionRequest, request: Request):
         session_id = session_id_of(request.headers)
-        return await _respond(request, create_completion(serving, req, session_id=session_id))
+        return await respond(request, create_completion(serving, req, session_id=session_id))
 
     @v1.post("/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         session_id = session_id_of(request.headers)
-        return await _respond(request, create_chat_completion(serving, req,
-                                                              session_id=session_id))
+        return await respond(request, create_chat_completion(serving, req,
+                                                             session_id=session_id))
 
     @v1.get("/models")
     async def models() -> p.ModelList:
@@ -160,10 +165,12 @@ def _api_key_check(api_key: str | None):
 # ----- responses, disconnects -----
 
 
-async def _respond(request: Request, work: Awaitable[Any]) -> Any:
+async def respond(request: Request, work: Awaitable[Any]) -> Any:
     """Await ``work`` (a response model, or an SSE iterator for ``stream``), cancelling it if
     the client disconnects first (which aborts its engine requests). A stream is started here
-    up to its first event, so an error the engine reports at once is still a 400."""
+    up to its first event, so an error the engine reports at once is still a 400. The
+    generation routes of this server and of the P/D proxy (:mod:`atom.entrypoints.pd_proxy`)
+    answer through it."""
     async def run() -> Any:
         result = await work
         if not isinstance(result, AsyncIterator):
@@ -258,9 +265,8 @@ def run_server(args: argparse.Namespace) -> int:
         ValueError: bad engine options, or ``--skip-tokenizer-init`` (the API needs text).
         RuntimeError: an engine core failed to start.
     """
-    import uvicorn
-
     from atom.config import config_from_args
+    from atom.dp.run_summary import print_dp_summary
     from atom.entrypoints.llm import build_engine
 
     config = config_from_args(args)
@@ -280,9 +286,13 @@ def run_server(args: argparse.Namespace) -> int:
                                 max_model_len=engine.runtime.max_model_len,
                                 vocab_size=engine.runtime.vocab_size)
         app = build_app(serving, metrics, api_key=args.api_key)
-        server = uvicorn.Server(uvicorn.Config(
+        banner = (f"serving on {url_of(args.host, args.port)} (model {model_name}, DP "
+                  f"{config.data_parallel_size}, EP "
+                  f"{'on' if config.enable_expert_parallel else 'off'})")
+        server = AnnouncingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-            access_log=args.access_log, timeout_graceful_shutdown=args.drain_timeout))
+            access_log=args.access_log, timeout_graceful_shutdown=args.drain_timeout),
+            banner=banner)
         # uvicorn re-raises every signal it caught once it has drained (a launched front end
         # may get SIGTERM twice: from the launcher and from rank 0); with this handler a
         # re-raise only logs, once, so a drained server exits 0 instead of dying by it
@@ -297,10 +307,31 @@ def run_server(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_drained)
         server.run(sockets=[listener])
+        async_engine.stop()
+        print_dp_summary(engine)  # the engine thread has ended: this thread may use it
     finally:
         async_engine.shutdown()
         listener.close()
     return 0
+
+
+def url_of(host: str, port: int) -> str:
+    """The http URL of ``host:port`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class AnnouncingServer(uvicorn.Server):
+    """A uvicorn server that prints ``banner`` on stderr once it listens (uvicorn itself says
+    nothing when it is handed a bound socket, as ``atom serve`` does)."""
+
+    def __init__(self, config: uvicorn.Config, *, banner: str):
+        super().__init__(config)
+        self.banner = banner
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(self.banner, file=sys.stderr, flush=True)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -155,12 +155,17 @@ class AsyncEngine:
         self._submit(_Call(fn, future))
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread (open requests get ``EngineDeadError``), then shut the engine down
-        (its cores exit). Idempotent."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (open requests get ``EngineDeadError``); the engine keeps running
+        and, once the thread has ended, the caller may use it (the server's last stats).
+        Idempotent."""
         if self._thread.is_alive():
             self._commands.put(_Stop())
             self._thread.join(timeout_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """:meth:`stop`, then shut the engine down (its cores exit). Idempotent."""
+        self.stop(timeout_s)
         self.engine.shutdown()
 
     def _submit(self, command: _Add | _Call) -> None:

@@ -8,12 +8,24 @@ import argparse
 from atom.config import add_engine_args
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_PORT = 65535
+
+
+def tcp_port(text: str) -> int:
+    """``--port``'s type: a TCP port, 1 to 65535 (argparse's one-line error otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 1 to {MAX_PORT}")
+    return port
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags plus every engine option."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to bind")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="TCP port to bind")
     parser.add_argument("--served-model-name",
                         help=f"model name in the API (default: --model, or {DEFAULT_MODEL_NAME})")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")

@@ -30,7 +30,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by both generation endpoints (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
@@ -59,7 +59,7 @@ class _SamplingFields(_Request):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids
     or a list of lists of token ids (one request per prompt, choices numbered prompt × n)."""
 
@@ -79,7 +79,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages go through the model's chat template."""
 
     messages: list[ChatMessage]

@@ -137,7 +137,7 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
                            code="model_not_found")
 
-    def sampling_params(self, req: p._SamplingFields, *, max_tokens: int | None,
+    def sampling_params(self, req: p.SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of a request (temperature and top_p default to 1, as OpenAI).
 
@@ -190,7 +190,7 @@ class OpenAIServing:
                 f"{params.max_tokens or 1} in the completion). Reduce the length of the {param} "
                 f"or the completion.", param=param, code="context_length_exceeded")
 
-    def kv_transfer_params(self, req: p._SamplingFields,
+    def kv_transfer_params(self, req: p.SamplingFields,
                            prompts: list[_Prompt]) -> KVTransferParams | None:
         """The request's P/D params (:class:`~atom.messages.KVTransferParams`), or None.
 

@@ -5,6 +5,7 @@ its plot, one-line errors; and the calibration grid's measurement on the real mo
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -80,7 +81,7 @@ def test_calibration_grid_on_the_real_model_runner():
     measurements, facts = measure_grid(EngineConfig(dtype="float32", num_threads=1),
                                        repeats=1, grid=grid)
     assert facts == {"kv_cache_bytes_per_token": 46080, "max_position_embeddings": 8192,
-                     "num_experts": None}
+                     "num_experts": None, "architecture": "LlamaForCausalLM"}
     assert [m["point"] for m in measurements] == grid
     assert all(m["seconds"] > 0 and 0 <= m["mlp_seconds"] < m["seconds"] for m in measurements)
     assert [len(m["micro_batches"]) for m in measurements] == [1, 1, 2, 1]
@@ -90,3 +91,77 @@ def test_calibration_grid_on_the_real_model_runner():
     coefficients, fit = fit_grid(measurements)
     assert fit["num_points"] == 4 and all(v >= 0 for v in coefficients.values())
     assert machine_info(1)["num_threads"] == 1
+
+
+def test_calibration_grid_on_a_qwen3_moe_folder(tmp_path):
+    """`atom sim calibrate --model FOLDER` on another family: the facts are the model's (its KV
+    bytes per token from its per-layer specs, its experts); a vocabulary too small for the
+    grid's token ids is a clear error."""
+    from tests.moe_utils import build_tiny_qwen3
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    build_tiny_qwen3(small)
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens is smaller"):
+        measure_grid(EngineConfig(model=str(small), dtype="float32", num_threads=1), repeats=1,
+                     grid=[{}])
+    build_tiny_qwen3(large, vocab_size=20000, max_position_embeddings=2048)
+    grid = [{"decode": (2, 32)}, {"prefill": [(16, 0)], "tbo": True}]
+    measurements, facts = measure_grid(EngineConfig(model=str(large), dtype="float32",
+                                                    num_threads=1), repeats=1, grid=grid)
+    # 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
+    assert facts == {"kv_cache_bytes_per_token": 3 * 2 * 2 * 24 * 4,
+                     "max_position_embeddings": 2048, "num_experts": 8,
+                     "architecture": "Qwen3MoeForCausalLM"}
+    assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
+
+
+def test_run_says_what_it_ran_and_notes_an_overloaded_run(profile, capsys):
+    argv = ["sim", "run", *SMALL, "--profile", profile, "--workload", "bursty"]
+    assert main([*argv, "--workload-arg", "num_requests=24", "--workload-arg", "burst_size=8",
+                 "--workload-arg", "burst_interval=0.5"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].startswith("workload bursty (num_requests=24, burst_size=8, "
+                               "burst_interval=0.5): 24 requests arriving over ")
+    assert "deployment: DP 2, prefill policy delayer, EP off, TBO off, 32 KV blocks a rank; " \
+           "profile" in " ".join(printed.split())
+    assert "overloaded: requests arrived at " in printed
+    ttft = next(line for line in lines if line.startswith("| TTFT mean / p90"))
+    assert re.fullmatch(r"\| TTFT mean / p90 +\| +\d+\.\d s / \d+\.\d s \|", ttft), ttft
+    assert "tok/s vs" not in printed  # one run: no ratio to itself
+    assert main([*argv, "--workload-arg", "num_requests=24", "--workload-arg", "burst_size=4",
+                 "--workload-arg", "burst_interval=20"]) == 0  # 4 a burst, 20 s apart: in time
+    printed = capsys.readouterr().out
+    assert "overloaded" not in printed and " ms / " in printed
+    assert all(len(line) <= 100 for line in printed.splitlines() if not line.startswith("|"))
+
+
+def test_sweep_prints_one_table_per_workload_within_120_columns(tmp_path, profile, capsys):
+    assert main(["sim", "sweep", "--workloads", "sessions", "bursty", "--dp-sizes", "2", "10",
+                 "--policies", "none", "coalescer", "--num-kv-blocks", "32",
+                 "--profile", profile, "--output-json", str(tmp_path / "s.json")]) == 0
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines()) <= 120
+    tables = [block for block in printed.split("\n\n") if "| DP |" in block]
+    assert [t.splitlines()[0].split(" (")[0] for t in tables] == ["workload sessions",
+                                                                  "workload bursty"]
+    for table in tables:
+        rows = [line for line in table.splitlines() if re.match(r"\| +\d+ \|", line)]
+        assert len(rows) == 4
+        # each ratio compares policies of one workload at one DP size: the first is 1.00x
+        assert [row.split("|")[4].strip() for row in rows][::2] == ["1.00x", "1.00x"]
+    assert "tok/s vs" not in printed  # no ratio row across workloads
+
+
+def test_an_unknown_workload_lists_the_generators(capsys):
+    assert main(["sim", "run", "--workload", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("atom sim: error: unknown workload 'nosuch': use one of ['bursty', "
+                   "'dp_experiment', 'kv_skewed', 'sessions'] or a workload file\n")
+
+
+def test_latencies_print_in_seconds_from_10_s():
+    from atom.dp.sim.metrics import format_ms
+
+    assert [format_ms(v) for v in (0.4, 781.2, 9999.0, 10_000.0, 134_086.0)] == [
+        "0 ms", "781 ms", "9999 ms", "10.0 s", "134.1 s"]

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from atom.dp.sim.calibrate import _features, fit_grid, nnls
+from atom.dp.sim.calibrate import feature_row, fit_grid, nnls
 from atom.dp.sim.cost_model import (
     Coefficients,
     CostModel,
@@ -126,7 +126,7 @@ def test_nnls_and_the_grid_fit_recover_known_coefficients():
                      "micro_batches": [vars(mb) for mb in mbs]} for mbs in batches]
     coefficients, fit = fit_grid(measurements)
     assert fit["max_abs_rel_error"] < 1e-6 and coefficients["mlp_token_s"] == pytest.approx(0.5)
-    assert len(_features([DUMMY])) == 7
+    assert len(feature_row([DUMMY])) == 7
     for name in ("step_s", "token_s", "sampled_s", "seq_s", "prefill_pair_s",
                  "decode_context_s", "dummy_s"):
         assert coefficients[name] == pytest.approx(getattr(C, name), rel=1e-6)

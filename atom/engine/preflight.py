@@ -1,0 +1,138 @@
+"""The front end's pre-flight: what a deployment's files alone can tell, checked before any
+engine-core process starts.
+
+:func:`check_model_files` is called by :class:`~atom.engine.llm_engine.LLMEngine` first thing,
+so a folder the cores could not load fails in the user's process, at once and in one line
+(``atom generate: error: ...``, exit code 2), instead of seconds later in every rank. What only
+an engine core can find (weights that do not fit the model, a KV pool that does not fit in
+memory, expert parallelism over a dense model) comes back from the core as
+:class:`~atom.engine.liveness.EngineStartError`.
+
+Every check reads headers only: ``config.json``, the safetensors headers (names, dtypes,
+shapes; no tensor data), a GGUF file's magic number and metadata. The embedded model is atom's own
+(sha256-verified when fetched) and is not checked here.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from atom.config import EngineConfig
+
+__all__ = ["check_model_files", "TOKENIZER_FILES"]
+
+#: the files transformers builds a tokenizer from (one is enough): a fast tokenizer
+#: (tokenizer.json), sentencepiece models, BPE / WordPiece vocabularies, tiktoken files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "tiktoken.model")
+#: safetensors dtypes atom converts to its run dtype; anything else is a quantized or
+#: integer checkpoint the float loader would corrupt
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_GGUF_MAGIC = b"GGUF"
+
+
+def check_model_files(config: EngineConfig) -> None:
+    """Check the model (and draft model) files of ``config`` before any process starts.
+
+    The checks, in order: the path exists and is a ``.gguf`` file or a folder with
+    ``config.json``; a GGUF file starts with the GGUF magic number and is of the llama
+    architecture; a folder's ``config.json`` is a JSON object naming an architecture of the
+    registry (:func:`atom.models.check_architecture`: one line listing the supported ones)
+    without ``quantization_config``, its ``*.safetensors`` headers are
+    readable and hold float tensors only; the folder has tokenizer files (unless
+    ``skip_tokenizer_init``).
+
+    Raises:
+        FileNotFoundError: the path does not exist, or a folder has no ``*.safetensors``.
+        ValueError: anything else above; the message names the file and what to change.
+    """
+    if config.model is not None:
+        path = _check_weights(config.model)
+        if path.is_dir() and not config.skip_tokenizer_init:
+            _check_tokenizer_files(path)
+    if config.draft_model is not None:
+        _check_weights(config.draft_model)
+
+
+def _check_weights(model: str) -> pathlib.Path:
+    from atom.worker.model_loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != _GGUF_MAGIC:
+            raise ValueError(f"model file {path} is not a GGUF file (it starts with {magic!r}, "
+                             f"not {_GGUF_MAGIC!r}): pass a .gguf file or a Hugging Face folder")
+        import gguf
+
+        from atom.worker.model_loader import arch_config_from_gguf
+
+        arch_config_from_gguf(gguf.GGUFReader(str(path)))  # raises for another architecture
+        return path
+    hf_config = _read_config_json(path / "config.json")
+    _check_architecture(hf_config, path / "config.json")
+    quantization = hf_config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"model folder {path} holds a quantized checkpoint (quant_method="
+                         f"{method!r}): atom loads float16 / bfloat16 / float32 checkpoints, "
+                         f"or GGUF files (--quantization gguf keeps their blocks)")
+    _check_safetensors(path)
+    return path
+
+
+def _check_architecture(hf_config: dict, file: pathlib.Path) -> None:
+    """One line naming the supported architectures (:mod:`atom.models`' registry, torch-free)
+    unless ``config.json``'s architecture is one of them."""
+    from atom.models import check_architecture
+    from atom.worker.model_loader import hf_architecture
+
+    check_architecture(hf_architecture(hf_config) or str(hf_config.get("model_type")),
+                       source=str(file))
+
+
+def _read_config_json(file: pathlib.Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc}): restore it, e.g. with the "
+                         f"model's save_pretrained") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object: restore "
+                         f"it, e.g. with the model's save_pretrained")
+    return data
+
+
+def _check_safetensors(folder: pathlib.Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in folder.glob("*.bin"))
+        found = f" (found {', '.join(others[:3])}: atom reads safetensors only)" if others else ""
+        raise FileNotFoundError(f"no *.safetensors in {folder}{found}: save the model with "
+                                f"save_pretrained(..., safe_serialization=True)")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read the weights file {file} ({exc}): it is damaged or "
+                             f"incomplete; save or copy it again") from exc
+        bad = {name: dtype for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES}
+        if bad:
+            name, dtype = next(iter(bad.items()))
+            raise ValueError(f"{file} holds {len(bad)} tensor(s) that are not floats ({name}: "
+                             f"{dtype}): atom loads float checkpoints ({', '.join(FLOAT_DTYPES)})")
+
+
+def _check_tokenizer_files(folder: pathlib.Path) -> None:
+    if any((folder / name).is_file() for name in TOKENIZER_FILES) or any(
+            folder.glob("*.tiktoken")):
+        return
+    raise ValueError(f"no tokenizer files in {folder}: add tokenizer.json (e.g. "
+                     f"tokenizer.save_pretrained(folder)), or use --skip-tokenizer-init "
+                     f"(skip_tokenizer_init=True) with token-id prompts "
+                     f"(atom generate --prompt-token-ids 1,2,3)")

@@ -1,0 +1,63 @@
+"""The linear layer every family's projections use: a plain ``[out, in]`` weight until
+:meth:`Linear.pack_weight` swaps in oneDNN's packed copy (:mod:`atom.kernels.linear`), and
+optionally a GGUF file's own quantized blocks for small steps (``--quantization gguf``; the
+Llama family attaches them, :meth:`atom.models.llama.LlamaForCausalLM.attach_quantized`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.kernels.gguf import QuantizedWeight, TiledWeight, gguf_linear
+from atom.kernels.linear import pack_weight, packed_linear
+
+#: The most rows (tokens of a step; sampled rows for the LM head) a linear layer with GGUF
+#: blocks computes with the row kernel; above it the float GEMM is faster on this machine's
+#: measurements (``scripts/bench_gguf_linear.py``, docs/PERFORMANCE.md). Where the tiled kernel
+#: has its AVX-512 VNNI path, it beats the float GEMM at every row count measured (1-2,048)
+#: and takes every forward; this limit then only bounds the one-call decode layer.
+QUANTIZED_MAX_ROWS = 16
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T`` without bias; :meth:`pack_weight` swaps in oneDNN's packed copy.
+
+    Before packing, ``weight`` is an ``[out_features, in_features]`` parameter and the forward is
+    ``F.linear``. After a successful :meth:`pack_weight`, ``weight`` is None and the forward runs
+    on ``packed_weight`` (:func:`atom.kernels.linear.packed_linear`); the dense copy is dropped,
+    so pack only once nothing reads ``weight`` any more.
+
+    With ``qweight`` (the GGUF file's own blocks, ``--quantization gguf``), a forward of at most
+    :data:`QUANTIZED_MAX_ROWS` rows runs the quantized kernel
+    (:func:`atom.kernels.gguf.gguf_linear`) and a larger one the float GEMM above; when
+    ``qweight`` is tiled (:class:`~atom.kernels.gguf.TiledWeight`, AVX-512 VNNI CPUs), every
+    forward runs the quantized kernel.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None
+        self.qweight: QuantizedWeight | TiledWeight | None = None
+
+    def pack_weight(self) -> None:
+        """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed.
+        With tiled GGUF blocks (every forward reads them) the float weight is dropped instead."""
+        if isinstance(self.qweight, TiledWeight):
+            self.weight = None
+            return
+        if self.weight is None:
+            return
+        packed = pack_weight(self.weight)
+        if packed is not None:
+            self.packed_weight = packed
+            self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None and (isinstance(self.qweight, TiledWeight)
+                                         or x.shape[0] <= QUANTIZED_MAX_ROWS):
+            return gguf_linear(x, self.qweight)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight)
+        return packed_linear(x, self.packed_weight)

@@ -1,0 +1,88 @@
+"""One line that says what a DP / EP deployment did: printed on stderr at the end of an ``atom
+generate`` / ``atom chat`` run and when ``atom serve`` shuts down (issue 38).
+
+Everything in it comes from :meth:`atom.entrypoints.llm.LLM.get_rank_stats` (the ranks' own
+counters, :meth:`atom.dp.dp_core_proc.DPEngineCoreProc.dp_stats`), the deployment's options and
+the model's expert count (:attr:`atom.messages.EngineRuntime.num_experts`). Values that differ
+by rank are written ``rank 0 / rank 1 / ...``::
+
+    atom: DP 2, EP 4 experts (2 a rank), TBO on; per rank: requests 2 / 1, steps 7 / 7,
+    dummy 0 / 1, TBO 1 / 1; prefill policy delayer: 0 holds (hold rate 0.00, longest 0 ticks)
+
+(one line). The prefill policy's counters are the group's (identical on every rank).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from atom.config import EngineConfig
+from atom.dp.expert_parallel import expert_range
+from atom.engine.liveness import EngineDeadError
+
+__all__ = ["dp_summary_line", "print_dp_summary"]
+
+_ROUTED = "dp_router_decisions_"  # the DP client's per-rank decision counters
+# the policy's hold reasons (hold, hold_fill, hold_decode_interval: prefill_decision.HOLDS)
+_HOLDS = "prefill_policy_decisions_hold"
+
+
+def dp_summary_line(rank_stats: list[dict], *, config: EngineConfig,
+                    num_experts: int | None) -> str | None:
+    """The summary line (module docstring), or None with one rank (nothing to say).
+
+    Args:
+        rank_stats: each rank's stats, in rank order (``get_rank_stats()``).
+        config: the deployment's options (TBO, expert parallelism, the prefill policy).
+        num_experts: experts of each MoE layer (``runtime.num_experts``); None for a dense
+            model.
+    """
+    num_ranks = len(rank_stats)
+    if num_ranks < 2:
+        return None
+
+    def per_rank(key: str) -> str:
+        return " / ".join(str(int(stats.get(key, 0))) for stats in rank_stats)
+
+    requests = " / ".join(str(sum(int(v) for k, v in stats.items() if k.startswith(_ROUTED)))
+                          for stats in rank_stats)
+    policy = rank_stats[0]
+    num_holds = sum(int(v) for k, v in policy.items() if k.startswith(_HOLDS))
+    holds = (f"prefill policy {config.resolved_prefill_policy()}: {num_holds} holds (hold rate "
+             f"{policy.get('prefill_policy_hold_rate', 0.0):.2f}, longest "
+             f"{int(policy.get('prefill_policy_max_consecutive_holds', 0))} ticks)")
+    return (f"atom: DP {num_ranks}, {_expert_layout(config, num_experts, num_ranks)}, TBO "
+            f"{'on' if config.enable_tbo else 'off'}; per rank: requests {requests}, steps "
+            f"{per_rank('num_steps')}, dummy {per_rank('num_dummy_steps')}, TBO "
+            f"{per_rank('num_tbo_steps')}; {holds}")
+
+
+def _expert_layout(config: EngineConfig, num_experts: int | None, num_ranks: int) -> str:
+    if num_experts is None:
+        return "EP off (dense model)"
+    if not config.enable_expert_parallel:
+        return f"EP off ({num_experts} experts on every rank)"
+    sizes = [end - start for start, end in (expert_range(num_experts, rank, num_ranks)
+                                            for rank in range(num_ranks))]
+    per = f"{sizes[0]} a rank" if len(set(sizes)) == 1 else " / ".join(map(str, sizes))
+    return f"EP {num_experts} experts ({per})"
+
+
+def print_dp_summary(engine) -> None:
+    """:func:`dp_summary_line` of a running engine on stderr; nothing with one rank or once the
+    engine is dead.
+
+    Args:
+        engine: the deployment's :class:`~atom.engine.llm_engine.LLMEngine` (``LLM.engine``),
+            used from the thread that drives it.
+    """
+    if engine is None or engine.config.data_parallel_size == 1:
+        return
+    try:
+        rank_stats = engine.get_rank_stats()
+    except EngineDeadError:
+        return
+    line = dp_summary_line(rank_stats, config=engine.config,
+                           num_experts=engine.runtime.num_experts)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,41 @@
+"""The DP/EP summary line (issue 38) from rank stats shaped like ``get_rank_stats()``'s: the
+expert layout, per-rank counters, every kind of hold. Real runs print it in
+tests/dp/test_dp_engine_cli.py and tests/entrypoints/test_server_startup.py."""
+
+from __future__ import annotations
+
+from atom.config import EngineConfig
+from atom.dp.run_summary import dp_summary_line
+
+
+def _stats(rank: int, **extra) -> dict:
+    return {"dp_rank": rank, "num_steps": 10, "num_dummy_steps": rank, "num_tbo_steps": 2,
+            "dp_router_decisions_least_load": 3 - rank, "dp_router_decisions_cache_hit": 1,
+            "prefill_policy_decisions_allow_all": 6, "prefill_policy_hold_rate": 0.4,
+            "prefill_policy_max_consecutive_holds": 3, **extra}
+
+
+def test_one_rank_has_nothing_to_say():
+    assert dp_summary_line([_stats(0)], config=EngineConfig(), num_experts=None) is None
+
+
+def test_expert_layout_counters_and_every_kind_of_hold():
+    config = EngineConfig(data_parallel_size=3, enable_expert_parallel=True, enable_tbo=True,
+                          prefill_policy="coalescer", prefill_decode_interval=2)
+    holds = {"prefill_policy_decisions_hold_fill": 3,
+             "prefill_policy_decisions_hold_decode_interval": 1}
+    line = dp_summary_line([_stats(r, **holds) for r in range(3)], config=config, num_experts=8)
+    assert line == ("atom: DP 3, EP 8 experts (2 / 3 / 3), TBO on; per rank: requests 4 / 3 / 2, "
+                    "steps 10 / 10 / 10, dummy 0 / 1 / 2, TBO 2 / 2 / 2; prefill policy "
+                    "coalescer: 4 holds (hold rate 0.40, longest 3 ticks)")
+
+
+def test_dense_and_unsharded_models():
+    stats = [_stats(0, prefill_policy_decisions_hold=5), _stats(1, prefill_policy_decisions_hold=5)]
+    dense = dp_summary_line(stats, config=EngineConfig(data_parallel_size=2), num_experts=None)
+    assert dense.startswith("atom: DP 2, EP off (dense model), TBO off; per rank: requests 4 / 3")
+    assert dense.endswith("prefill policy delayer: 5 holds (hold rate 0.40, longest 3 ticks)")
+    moe = dp_summary_line(stats, config=EngineConfig(data_parallel_size=2), num_experts=4)
+    assert moe.startswith("atom: DP 2, EP off (4 experts on every rank), TBO off;")
+    ep = EngineConfig(data_parallel_size=2, enable_expert_parallel=True)
+    assert "EP 4 experts (2 a rank)" in dp_summary_line(stats, config=ep, num_experts=4)

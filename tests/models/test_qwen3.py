@@ -1,0 +1,225 @@
+"""Qwen3 and Qwen3-MoE against transformers on one rank (fp32), and both checkpoint layouts.
+
+Tiny random models built by transformers (tests/moe_utils.py: large init scale, random norms,
+``head_dim`` not ``hidden / heads``, a dense middle layer among the sparse ones of Qwen3-MoE):
+
+- the model runner's logits equal transformers' (prompt logits, decodes, a chunked prompt in a
+  mixed batch), for the dense and the MoE family; the KV cache geometry is the model's
+  (``head_dim`` 24); Qwen3-MoE's sparse-layer rule;
+- the engine's greedy tokens and top-5 logprobs equal transformers' through the tie-aware
+  comparator, on one engine whose options make every case happen: chunked prefill (a token
+  budget of 16), preemption (a pool too small for the batch), prefix-cache hits (the prompts
+  again, and prompts sharing a prefix);
+- a Qwen3-MoE and a Mixtral checkpoint saved in transformers v5's fused layout (3-D expert
+  tensors) load to the same weights and logits as the per-expert one ``save_pretrained``
+  writes, and an expert-parallel rank reads only its own experts from either;
+- n-gram speculative decoding gives the greedy tokens of the plain engine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from atom.kv_cache_spec import KVCacheSpec
+from atom.layers.moe import ExpertShard, MoE
+from atom.models import get_model_class
+from atom.models.qwen3 import is_sparse_layer
+from atom.worker.checkpoint import Checkpoint
+from atom.worker.model_loader import load_model_weights
+from atom.worker.model_runner import ModelRunner
+from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool,
+                                        check_chunked_mixed_batch, check_prefill_then_decode,
+                                        random_tokens, seq_of)
+from tests.moe_utils import (assert_logprobs_close, build_tiny_mixtral, build_tiny_qwen3,
+                             save_fused_layout)
+from tests.utils import check_greedy_close, hf_greedy, ours_greedy
+
+MAX_NEW_TOKENS = 12
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5, ignore_eos=True)
+
+
+def _runner(folder, *, expert_shard=None) -> ModelRunner:
+    config, weights = load_model_weights(str(folder), torch.float32)
+    return ModelRunner(config, weights, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
+                       block_size=BLOCK_SIZE, max_model_len=512, expert_shard=expert_shard)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["qwen3", "qwen3_moe"])
+def family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3-moe" if request.param else "qwen3")
+    return folder, build_tiny_qwen3(folder, moe=request.param)
+
+
+def test_runner_logits_match_transformers(family):
+    folder, hf_model = family
+    runner = _runner(folder)
+    layers = runner.model.layers
+    assert layers[0].self_attn.q_norm is not None and layers[0].self_attn.head_dim == 24
+    if hf_model.config.model_type == "qwen3_moe":  # layer 1 is in mlp_only_layers
+        assert [isinstance(layer.mlp, MoE) for layer in layers] == [True, False, True]
+    for num_padding_tokens in (0, 3):  # a DP dummy batch: no token, or padding only
+        out = runner.execute_model([], num_padding_tokens=num_padding_tokens)
+        assert out.logits.shape == (0, 512)
+    check_prefill_then_decode(runner, hf_model, random_tokens(23, 512, seed=5))
+    check_chunked_mixed_batch(runner, hf_model, 512)
+
+
+def test_kv_cache_geometry_comes_from_the_model(family):
+    folder, _ = family
+    config, _ = load_model_weights(str(folder), torch.float32)
+    specs = ModelRunner.kv_cache_specs_of(config)
+    assert specs == [KVCacheSpec(num_kv_heads=2, head_dim=24)] * config.num_hidden_layers
+    # K and V x layers x block_size x KV heads x head_dim (24, not hidden / heads = 16) x 2 bytes
+    assert ModelRunner.kv_cache_bytes_per_block(config, dtype=torch.bfloat16, block_size=16) == (
+        2 * config.num_hidden_layers * 16 * 2 * 24 * 2)
+
+
+@pytest.mark.parametrize("layer_idx, step, mlp_only, sparse", [
+    (0, 1, (), True), (1, 1, (1,), False), (2, 1, (1,), True),
+    (0, 2, (), False), (1, 2, (), True), (3, 2, (3,), False), (5, 3, (), True),
+])
+def test_qwen3_moe_sparse_layer_rule(layer_idx, step, mlp_only, sparse):
+    assert is_sparse_layer(layer_idx, num_experts=8, decoder_sparse_step=step,
+                           mlp_only_layers=mlp_only) == sparse
+    assert not is_sparse_layer(layer_idx, num_experts=0, decoder_sparse_step=step,
+                               mlp_only_layers=mlp_only)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 512) for _ in range(40)]  # prefix-cache hits across prompts
+    return ([[rng.randrange(3, 512) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
+            + [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 17)])
+
+
+@pytest.fixture(scope="module")
+def engine(family):
+    """One engine per family: a 16-token budget (chunked prefill) and 12 blocks of 8 tokens for
+    batches of prompts up to 57 + 12 tokens (preemption)."""
+    with LLM(str(family[0]), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=12,
+             block_size=8, max_num_batched_tokens=16, max_model_len=128, num_threads=1) as llm:
+        yield llm
+
+
+def test_engine_greedy_matches_transformers(family, engine, prompts):
+    hf_model = family[1]
+    reference = hf_greedy(hf_model, prompts, MAX_NEW_TOKENS)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    first = ours_greedy(engine.generate(requests, PARAMS))
+    again = ours_greedy(engine.generate(requests, PARAMS))  # prompts cached: prefix hits
+    stats = engine.get_stats()
+    name = hf_model.config.model_type
+    for label, ours in (("first", first), ("again", again)):
+        check_greedy_close(ours, reference, name=f"tiny {name}, {label}")
+        assert_logprobs_close(ours, reference)
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+# ----- checkpoint layouts -----
+
+
+class CountingCheckpoint(Checkpoint):
+    """A checkpoint that records what the model read: whole tensors and row ranges."""
+
+    def __init__(self, inner: Checkpoint):
+        self.inner, self.dtype, self.read, self.rows_read = inner, inner.dtype, set(), {}
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __contains__(self, name):
+        return name in self.inner
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return self.inner[name]
+
+    def rows(self, name, start, end):
+        self.rows_read[name] = (start, end)
+        return self.inner.rows(name, start, end)
+
+
+@pytest.mark.parametrize("builder", ["qwen3_moe", "mixtral"])
+def test_both_expert_layouts_load_the_same_model(tmp_path, builder):
+    per_expert, fused = tmp_path / "per_expert", tmp_path / "fused"
+    if builder == "mixtral":
+        hf_model = build_tiny_mixtral(per_expert)
+    else:
+        hf_model = build_tiny_qwen3(per_expert)
+    save_fused_layout(hf_model, fused)
+    for (name, pa), (_, pb) in zip(_model(per_expert).named_parameters(),
+                                   _model(fused).named_parameters()):
+        assert torch.equal(pa, pb), name
+    a, b = _runner(per_expert), _runner(fused)
+    prompt = random_tokens(30, 512, seed=9)
+    outs = []
+    for runner in (a, b):
+        seq = seq_of(prompt)
+        BlockPool().grow(seq, len(prompt))
+        outs.append(runner.execute_model([(seq, len(prompt))]).logits)
+    assert torch.equal(outs[0], outs[1])
+
+    # an expert-parallel rank (1 of 2: experts 4-7 of 8) reads only its own experts
+    whole = _model(per_expert)
+    for folder, layout in ((per_expert, "per_expert"), (fused, "fused")):
+        source = CountingCheckpoint(load_model_weights(str(folder), torch.float32)[1])
+        shard = _model(folder, source, expert_shard=ExpertShard(rank=1, world_size=2))
+        for full, part in zip(_moe_layers(whole), _moe_layers(shard)):
+            assert part.expert_start == 4 and part.num_local_experts == 4
+            for mine, theirs in zip(part.local_experts, full.local_experts[4:]):
+                assert torch.equal(mine.gate_up_proj.weight, theirs.gate_up_proj.weight)
+                assert torch.equal(mine.down_proj.weight, theirs.down_proj.weight)
+        if layout == "fused":
+            assert source.rows_read and set(source.rows_read.values()) == {(4, 8)}
+        else:
+            assert not source.rows_read
+            assert not [n for n in source.read if any(f"experts.{e}." in n for e in range(4))]
+            assert any("experts.7." in n for n in source.read)
+
+
+def _model(folder, weights=None, *, expert_shard=None):
+    """The model as loaded, before the runner packs its linears (weights still readable)."""
+    config, checkpoint = load_model_weights(str(folder), torch.float32)
+    return get_model_class(config.architecture).from_state_dict(
+        config, checkpoint if weights is None else weights, dtype=torch.float32,
+        max_positions=64, expert_shard=expert_shard)
+
+
+def _moe_layers(model) -> list[MoE]:
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
+# ----- speculative decoding -----
+
+
+def test_ngram_speculative_decoding_keeps_the_greedy_tokens(family, engine):
+    folder, hf_model = family
+    if hf_model.config.model_type != "qwen3_moe":
+        pytest.skip("n-gram speculation is checked on the MoE family")
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 512) for _ in range(6)]
+    prompts = [motif * 5, [rng.randrange(3, 512) for _ in range(20)] + motif * 3]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True)
+    plain = ours_greedy(engine.generate(requests, params))
+    with LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+             max_model_len=128, num_threads=1, speculative_method="ngram",
+             num_speculative_tokens=3) as llm:
+        spec = ours_greedy(llm.generate(requests, params))
+        stats = llm.get_stats()
+    check_greedy_close(spec, plain, name="tiny qwen3_moe, n-gram speculation")
+    assert stats["spec_num_accepted_tokens"] > 0

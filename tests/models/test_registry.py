@@ -1,0 +1,74 @@
+"""The model registry: every entry resolves to a family class on the shared decoder, the
+registry imports no torch (the front end checks a model before it starts anything), and an
+unsupported architecture is refused in one line naming the supported ones, before any process
+starts: by ``LLM`` and by the ``atom`` command; ``atom models`` lists them."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from atom.models import MODEL_REGISTRY, check_architecture, get_model_class, supported_architectures
+
+ATOM = str(pathlib.Path(sys.executable).parent / "atom")
+
+
+def test_every_entry_is_a_decoder_family():
+    from atom.layers.decoder import DecoderForCausalLM
+
+    for name in MODEL_REGISTRY:
+        cls = get_model_class(name)
+        assert issubclass(cls, DecoderForCausalLM) and cls.__name__ == name
+
+
+def test_the_registry_imports_no_torch():
+    code = ("import sys, atom.models as m; m.check_architecture('Qwen3MoeForCausalLM'); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_check_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError) as info:
+        check_architecture("GptOssForCausalLM", source="/m/config.json")
+    message = str(info.value)
+    assert "\n" not in message and "'GptOssForCausalLM' (/m/config.json)" in message
+    assert all(name in message for name in supported_architectures())
+
+
+@pytest.fixture
+def gpt_oss_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}))
+    return tmp_path
+
+
+def test_llm_refuses_an_unsupported_architecture_before_starting_a_process(gpt_oss_folder):
+    from atom import LLM
+
+    with pytest.raises(ValueError, match="unsupported architecture 'GptOssForCausalLM'") as info:
+        LLM(str(gpt_oss_folder), skip_tokenizer_init=True)
+    assert "Qwen3MoeForCausalLM" in str(info.value)
+    assert psutil.Process().children() == []
+
+
+def test_atom_command_refuses_it_in_one_line(gpt_oss_folder):
+    proc = subprocess.run([ATOM, "generate", "--prompt", "x", "--model", str(gpt_oss_folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()]  # one line
+    assert proc.stderr.startswith("atom generate: error: unsupported architecture "
+                                  "'GptOssForCausalLM'")
+    assert "see `atom models`" in proc.stderr
+
+
+def test_atom_models_lists_the_registry():
+    proc = subprocess.run([ATOM, "models"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name, entry in MODEL_REGISTRY.items():
+        assert name in proc.stdout and f"atom/models/{entry.module}.py" in proc.stdout
+    assert "atom serve --model /path/to/folder" in proc.stdout
