@@ -1,10 +1,11 @@
 """The tiny random MoE models shared by the MoE tests: Mixtral (the checkable model (b) of
-docs/ARCHITECTURE.md) and Qwen3 / Qwen3-MoE, built by transformers, and the fused checkpoint
-layout of transformers v5 (experts as 3-D tensors) next to the per-expert one
-``save_pretrained`` writes."""
+docs/ARCHITECTURE.md), Qwen3 / Qwen3-MoE and gpt-oss, built by transformers, and the fused
+checkpoint layout of transformers v5 (experts as 3-D tensors) next to the per-expert one
+``save_pretrained`` writes; gpt-oss's MXFP4 layout."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -32,16 +33,35 @@ def idle_rank_stats(llm: LLM) -> list[dict]:
         time.sleep(0.05)
 
 
+def one_rank_greedy(folder, prompts: list[list[int]]) -> list[GreedyResult]:
+    """``prompts`` greedy (:data:`PARAMS`) on one rank of the model in ``folder``, in this
+    process (no engine-core process: the reference the two-rank runs are checked against)."""
+    from atom.config import EngineConfig
+    from atom.engine.llm_engine import LLMEngine
+    from tests.utils import ours_greedy
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), **{**OPTIONS,
+                                                "max_model_len": 256}, skip_tokenizer_init=True))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, PARAMS)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    engine.shutdown()
+    return ours_greedy([finished[str(i)] for i in range(len(prompts))])
+
+
 def run_on_two_ep_ranks(folder, prompts: list[list[int]], *, enable_tbo: bool, name: str,
-                        reference: list[GreedyResult]) -> list[dict]:
-    """``prompts`` greedy on two expert-parallel DP ranks of the model in ``folder``: all on
-    rank 0 first (rank 1 steps dummy batches through every MoE collective), then spread; each
-    run's tokens and logprobs checked against ``reference`` (tie-aware), and both ranks checked
-    to have issued the same collectives. Returns every rank's stats once idle."""
+                        reference: list[GreedyResult], **options) -> list[dict]:
+    """``prompts`` greedy on two expert-parallel DP ranks of the model in ``folder`` (engine
+    ``options`` added): all on rank 0 first (rank 1 steps dummy batches through every MoE
+    collective), then spread; each run's tokens and logprobs checked against ``reference``
+    (tie-aware), and both ranks checked to have issued the same collectives. Returns every
+    rank's stats once idle."""
     from tests.utils import check_greedy_close, ours_greedy
 
     requests = [{"prompt_token_ids": p} for p in prompts]
-    with LLM(str(folder), **{**OPTIONS, "max_model_len": 256}, skip_tokenizer_init=True,
+    with LLM(str(folder), **{**OPTIONS, "max_model_len": 256, **options}, skip_tokenizer_init=True,
              data_parallel_size=2, enable_expert_parallel=True, enable_tbo=enable_tbo) as llm:
         pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
         spread = ours_greedy(llm.generate(requests, PARAMS))
@@ -139,3 +159,78 @@ def assert_logprobs_close(ours: list[GreedyResult], ref: list[GreedyResult]) -> 
                 break
             assert abs(a.top_logprobs[pos][ta] - b.top_logprobs[pos][tb]) < LOGPROB_TOLERANCE, (
                 pos, a.top_logprobs[pos], b.top_logprobs[pos])
+
+
+# ----- gpt-oss -----
+
+#: the tiny gpt-oss of the tests: 3 layers (sliding, full, sliding) with a window of 8 tokens
+#: (shorter than the prompts), 8 experts of which 2 per token, head_dim 24 (not 64 / 4), YaRN
+#: over an original context of 32 positions (shorter than the prompts too), widths multiples of
+#: 32 (MXFP4 blocks)
+GPT_OSS = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=8,
+               num_experts_per_tok=2, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                "original_max_position_embeddings": 32},
+               max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2)
+
+
+def build_tiny_gpt_oss(folder, **overrides):
+    """A tiny random gpt-oss (:data:`GPT_OSS`) built by transformers, fp32, large init scale,
+    random norms, and every bias (attention, router, experts) and sink random and non-zero
+    (transformers starts most biases at zero, which would hide one not loaded); saved to
+    ``folder`` with ``save_pretrained`` (experts fused, float). Returns the model."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, **overrides})).eval()
+    randomize_norms(model)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4-quantize ``weight`` ``[..., cols]`` along its last dimension (the tests' own
+    quantizer: per block of 32, the power-of-two scale that brings the largest magnitude to at
+    most 6, each value rounded to the nearest FP4 E2M1 value). Returns (blocks uint8
+    ``[..., cols / 32, 16]``, low nibble the even element; scales uint8 ``[..., cols / 32]``,
+    the exponent + 127), the layout of gpt-oss checkpoints."""
+    from atom.layers.weights import FP4_E2M1_VALUES
+
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    exponents = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0))
+    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - torch.tensor(FP4_E2M1_VALUES)).abs().argmin(-1)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponents + 127).to(torch.uint8)
+
+
+def save_mxfp4_layout(model, folder) -> None:
+    """Save gpt-oss ``model`` as the published checkpoints are: every expert matrix in MXFP4
+    (``mlp.experts.gate_up_proj_blocks`` / ``_scales``, ``down_proj_blocks`` / ``_scales``, each
+    stored ``[E, out, in / 32, ...]``), everything else float, and a ``quantization_config``
+    naming mxfp4 (transformers dequantizes such a folder on a CPU)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers keeps [E, in, out]; the checkpoint quantizes rows of [E, out, in]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(
+                tensor.transpose(1, 2))
+        else:
+            tensors[name] = tensor.contiguous()
+    model.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(folder / "model.safetensors"))

@@ -84,21 +84,15 @@ def _check_weights(model: str) -> pathlib.Path:
         from atom.models import MODEL_REGISTRY
 
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        if method not in MODEL_REGISTRY[architecture].quant_methods:
+        methods = MODEL_REGISTRY[architecture].quant_methods
+        if method not in methods:
+            theirs = f", {architecture}'s {' / '.join(methods)} ones" if methods else ""
             raise ValueError(f"model folder {path} holds a quantized checkpoint (quant_method="
-                             f"{method!r}): atom loads float16 / bfloat16 / float32 checkpoints, "
-                             f"{architecture}'s {_quant_methods(architecture)}or GGUF files "
-                             f"(--quantization gguf keeps their blocks)")
+                             f"{method!r}): atom loads float16 / bfloat16 / float32 checkpoints"
+                             f"{theirs}, or GGUF files (--quantization gguf keeps their blocks)")
         quantized_suffixes = QUANTIZED_TENSOR_SUFFIXES[method]
     _check_safetensors(path, quantized_suffixes)
     return path
-
-
-def _quant_methods(architecture: str) -> str:
-    from atom.models import MODEL_REGISTRY
-
-    methods = MODEL_REGISTRY[architecture].quant_methods
-    return f"{' / '.join(methods)} checkpoints, " if methods else ""
 
 
 def _check_architecture(hf_config: dict, file: pathlib.Path) -> str:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from atom.config import EngineConfig
-from atom.engine.llm_engine import LLMEngine
-from tests.moe_utils import OPTIONS, PARAMS, build_tiny_qwen3, run_on_two_ep_ranks, tiny_prompts
-from tests.utils import check_greedy_close, hf_greedy, ours_greedy
+from tests.moe_utils import (PARAMS, build_tiny_qwen3, one_rank_greedy, run_on_two_ep_ranks,
+                             tiny_prompts)
+from tests.utils import check_greedy_close, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +22,8 @@ def folder_and_references(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-moe")
     model = build_tiny_qwen3(folder)
     prompts = tiny_prompts()
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), **{**OPTIONS,
-                                                "max_model_len": 256}, skip_tokenizer_init=True))
-    for i, prompt in enumerate(prompts):  # one rank, in this process
-        engine.add_request(str(i), prompt, PARAMS)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
-    engine.shutdown()
-    one_rank = ours_greedy([finished[str(i)] for i in range(len(prompts))])
-    return folder, prompts, one_rank, hf_greedy(model, prompts, PARAMS.max_tokens)
+    return (folder, prompts, one_rank_greedy(folder, prompts),
+            hf_greedy(model, prompts, PARAMS.max_tokens))
 
 
 def test_experts_over_two_ranks_with_tbo_match_one_rank(folder_and_references):

@@ -28,12 +28,11 @@ from atom.kv_cache_spec import KVCacheSpec
 from atom.layers.moe import ExpertShard, MoE
 from atom.models import get_model_class
 from atom.models.qwen3 import is_sparse_layer
-from atom.worker.checkpoint import Checkpoint
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
 from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool,
-                                        check_chunked_mixed_batch, check_prefill_then_decode,
-                                        random_tokens, seq_of)
+                                        CountingCheckpoint, check_chunked_mixed_batch,
+                                        check_prefill_then_decode, random_tokens, seq_of)
 from tests.moe_utils import (assert_logprobs_close, build_tiny_mixtral, build_tiny_qwen3,
                              save_fused_layout)
 from tests.utils import check_greedy_close, hf_greedy, ours_greedy
@@ -123,34 +122,6 @@ def test_engine_greedy_matches_transformers(family, engine, prompts):
 
 
 # ----- checkpoint layouts -----
-
-
-class CountingCheckpoint(Checkpoint):
-    """A checkpoint that records what the model read: whole tensors and row ranges."""
-
-    def __init__(self, inner: Checkpoint):
-        self.inner, self.dtype, self.read, self.rows_read = inner, inner.dtype, set(), {}
-
-    @property
-    def device(self):
-        return self.inner.device
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __contains__(self, name):
-        return name in self.inner
-
-    def __getitem__(self, name):
-        self.read.add(name)
-        return self.inner[name]
-
-    def rows(self, name, start, end):
-        self.rows_read[name] = (start, end)
-        return self.inner.rows(name, start, end)
 
 
 @pytest.mark.parametrize("builder", ["qwen3_moe", "mixtral"])

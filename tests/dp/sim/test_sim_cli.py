@@ -115,6 +115,22 @@ def test_calibration_grid_on_a_qwen3_moe_folder(tmp_path):
     assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
 
 
+def test_calibration_grid_on_a_gpt_oss_folder(tmp_path):
+    """`atom sim calibrate --model FOLDER` on gpt-oss: the windowed layers keep every token's
+    K/V (the KV bytes per token count every layer), its experts are counted; a TBO point runs."""
+    from tests.moe_utils import build_tiny_gpt_oss
+
+    build_tiny_gpt_oss(tmp_path, vocab_size=20000, max_position_embeddings=2048)
+    grid = [{"decode": (2, 32)}, {"prefill": [(16, 0)], "tbo": True}]
+    measurements, facts = measure_grid(EngineConfig(model=str(tmp_path), dtype="float32",
+                                                    num_threads=1), repeats=1, grid=grid)
+    # 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
+    assert facts == {"kv_cache_bytes_per_token": 3 * 2 * 2 * 24 * 4,
+                     "max_position_embeddings": 2048, "num_experts": 8,
+                     "architecture": "GptOssForCausalLM"}
+    assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
+
+
 def test_run_says_what_it_ran_and_notes_an_overloaded_run(profile, capsys):
     argv = ["sim", "run", *SMALL, "--profile", profile, "--workload", "bursty"]
     assert main([*argv, "--workload-arg", "num_requests=24", "--workload-arg", "burst_size=8",
