@@ -123,7 +123,8 @@ def test_yarn_needs_the_original_context():
         YarnScaling.from_rope_parameters({"rope_type": "yarn", "factor": 4.0},
                                          max_position_embeddings=1024)
     implied = YarnScaling.from_rope_parameters(
-        {"rope_type": "yarn", "original_max_position_embeddings": 256}, max_position_embeddings=1024)
+        {"rope_type": "yarn", "original_max_position_embeddings": 256},
+        max_position_embeddings=1024)
     assert implied.factor == 4.0  # none given: the ratio of the two contexts, as transformers
 
 
