@@ -230,16 +230,16 @@ def decode_attention(
     """Batched decode attention: the compiled CPU kernel when it is built, else the torch path.
 
     The kernel (``kernels/csrc/paged_attention.cpp``) walks each sequence's block table and reads
-    K/V in place, so no context is copied; :func:`paged_decode_attention` gathers whole contexts
-    and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
-    Arguments and result as :func:`paged_decode_attention` (float32 or bfloat16; rows of
-    ``block_tables`` contiguous; each ``context_len >= 1``).
+    K/V in place, so no context is copied (bfloat16 K/V are read as bf16 and accumulated in
+    float32; q may be a strided view of the fused qkv); :func:`paged_decode_attention` gathers
+    whole contexts and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a
+    non-CPU device). Arguments and result as :func:`paged_decode_attention` (float32 or
+    bfloat16; each ``context_len >= 1``).
     """
     ops = cpu_ops.load() if q.device.type == "cpu" else None
     if ops is None:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
-    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                      scale).to(q.dtype)
+    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_attention(
