@@ -9,6 +9,9 @@ TORCH_LIBRARY(atom_kernels, m) {
   // Decode attention read in place from the paged KV cache (output in q's dtype).
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  // Causal prefill attention of several sequences read from the paged KV cache, into out.
+  m.def("paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale) -> ()");
   // RMSNorm of float32 or bfloat16 rows.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // residual += x in place, then RMSNorm of residual (float32 or bfloat16).
@@ -39,6 +42,7 @@ TORCH_LIBRARY(atom_kernels, m) {
 TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   using namespace atom_kernels;
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention_", &paged_prefill_attention_);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);

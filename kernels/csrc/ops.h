@@ -19,6 +19,16 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_tables, at::Tensor context_lens,
                                   double scale);
 
+// Causal attention of the new tokens of S prefill sequences, read from the paged cache (their
+// K/V written already), into out: q and out [T, H, D] (rows and heads may be strided, D
+// contiguous), caches as paged_decode_attention; block_tables int64 [S, >= max blocks],
+// context_lens int64 [S] (tokens with KV, new ones included), query_start_loc int64 [S + 1]:
+// sequence i's new tokens are rows [query_start_loc[i], query_start_loc[i + 1]) of q, at the
+// last positions of its context. Other rows of out are left as they are.
+void paged_prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache,
+                              at::Tensor v_cache, at::Tensor block_tables,
+                              at::Tensor context_lens, at::Tensor query_start_loc, double scale);
+
 // The fused elementwise ops take float32 or bfloat16 (every tensor of a call in one dtype;
 // bfloat16 computed in float32 and rounded once per output element).
 

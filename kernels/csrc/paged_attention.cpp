@@ -11,23 +11,11 @@
 //   per (sequence, chunk) over all heads (split-K, as in flash-decoding), so a one-request decode
 //   keeps every thread busy; each item keeps per query head its chunk's max score m, sum of
 //   exponentials l and unnormalised output o, and the merge rescales them by exp(m_c - max m).
-// For the G = H / H_kv query heads that share a KV head:
-//   pass 1  scores[g][t] = scale * q_g . k_t          register tiles of 16 tokens (AVX-512) or 8
-//   softmax per g in float32                           vectorised exp (vec.h)
-//   pass 2  o[g] = sum_t p[g][t] v_t, / sum_t p[g][t]   per block, up to 4 heads x 64 lanes of
-//                                                      accumulators in registers
-// The math is that of vLLM's CPU paged attention v1 (csrc/cpu/attention.cpp). The register
-// tiling is what makes it fast: a dot product per (g, t) with one accumulator is a chain of
-// dependent FMAs, latency-bound at a few GFLOP/s.
-//
-// Paths, by what the build machine has (-march=native) and head_dim (D):
-// - AVX-512 (F/BW/VL), D % 16 == 0 (bfloat16: D % 32 == 0): 16-token score tiles summed with
-//   one transpose-add (vec.h hsum16x16), 16-lane value accumulators. bfloat16 K with
-//   AVX512-BF16: q . k by VDPBF16PS on the raw bf16 pairs (exact products, float32 sums; no
-//   conversion of K at all); without it K is widened to float32 lanes by a shift.
-// - AVX2 + FMA, D % 8 == 0: 8-token score tiles, 8-lane accumulators (bf16 widened by a shift).
-// - otherwise a scalar loop that computes the same.
-// Every path accumulates in float32; the output is rounded to q's dtype once.
+// For the G = H / H_kv query heads that share a KV head, two passes over the item's blocks:
+// scores for all its tokens, a softmax per query head in float32, then the values
+// (attention_tiles.h has the block-level pieces and the SIMD paths). The math is that of vLLM's
+// CPU paged attention v1 (csrc/cpu/attention.cpp). Every path accumulates in float32; the output
+// is rounded to q's dtype once.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -35,8 +23,8 @@
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 
+#include "attention_tiles.h"
 #include "ops.h"
-#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +35,7 @@
 namespace atom_kernels {
 namespace {
 
-using BF16 = c10::BFloat16;
+using namespace attention_tiles;
 
 // The problem of one call: q [S, H, D] (strided rows and heads, contiguous D), caches
 // [num_blocks, block_size, H_kv, D] contiguous, block tables [S, table_stride].
@@ -65,221 +53,16 @@ struct Problem {
   float scale;
 };
 
-enum class Path { kScalar, kAvx2, kAvx512 };
-
-template <typename T>
-Path path_for(int64_t head_dim) {
-  if (ATOM_AVX512 && head_dim % (std::is_same_v<T, BF16> ? 32 : 16) == 0) return Path::kAvx512;
-  if (ATOM_AVX2 && head_dim % 8 == 0) return Path::kAvx2;
-  return Path::kScalar;
-}
-
 // Per-thread buffers of a work item.
 template <typename T>
 struct Scratch {
   std::vector<float> qf;      // [nq, D] the item's query heads, float32, times scale
-  std::vector<BF16> qb;       // [nq, D] the same, raw (bf16 only: VDPBF16PS on the bf16 pairs)
+  std::vector<const T*> q;    // [nq] the item's query rows in q (VDPBF16PS reads bf16 as is)
   std::vector<float> scores;  // [nq, n_tok]
   std::vector<float> o;       // [nq, D] unnormalised output
   std::vector<float> m, l;    // [nq]
   std::vector<T> pad;         // [16, D] a partial tile of K, zero-padded
 };
-
-#if ATOM_AVX2
-
-template <typename T>
-inline void prefetch_block(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * (int64_t)sizeof(T); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
-// scores[i] = q . k_i for n tokens of one block (k_i = kb + i * token_stride); D % 8 == 0.
-// Eight tokens at a time: eight independent FMA chains instead of one.
-template <typename T>
-inline void score_block(float* scores, const float* q, const T* kb, int64_t n,
-                        int64_t token_stride, int64_t head_dim) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const T* k = kb + i * token_stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, load8(k + d), a0);
-      a1 = _mm256_fmadd_ps(qv, load8(k + token_stride + d), a1);
-      a2 = _mm256_fmadd_ps(qv, load8(k + 2 * token_stride + d), a2);
-      a3 = _mm256_fmadd_ps(qv, load8(k + 3 * token_stride + d), a3);
-      a4 = _mm256_fmadd_ps(qv, load8(k + 4 * token_stride + d), a4);
-      a5 = _mm256_fmadd_ps(qv, load8(k + 5 * token_stride + d), a5);
-      a6 = _mm256_fmadd_ps(qv, load8(k + 6 * token_stride + d), a6);
-      a7 = _mm256_fmadd_ps(qv, load8(k + 7 * token_stride + d), a7);
-    }
-    _mm_storeu_ps(scores + i, hsum4(a0, a1, a2, a3));
-    _mm_storeu_ps(scores + i + 4, hsum4(a4, a5, a6, a7));
-  }
-  for (; i < n; ++i) {
-    const T* k = kb + i * token_stride;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
-    scores[i] = hsum(acc);
-  }
-}
-
-// In place p[t] = exp(s[t] - max s) over n scores; returns sum_t p[t] (and max s in *max_out).
-inline float softmax_numerators(float* s, int64_t n, float* max_out) {
-  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-  float mx = hmax(mv);
-  for (; t < n; ++t) mx = std::max(mx, s[t]);
-  *max_out = mx;
-  const __m256 mb = _mm256_set1_ps(mx);
-  __m256 sv = _mm256_setzero_ps();
-  t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
-    _mm256_storeu_ps(s + t, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  float sum = hsum(sv);
-  for (; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-  return sum;
-}
-
-// acc[g][d0 : d0 + 8 NV] += sum_i p[g][i] * v_i[d0 : d0 + 8 NV] over the n tokens of one block
-// (v_i = vb + i * token_stride), for GN query heads: GN * NV accumulators live in registers for
-// the block, and each V slice is loaded once for all GN heads.
-template <int GN, int NV, typename T>
-inline void pv_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                     const T* vb, int64_t n, int64_t token_stride, int64_t d0) {
-  __m256 a[GN][NV];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) a[g][j] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load8(vb + i * token_stride + d0 + 8 * j);
-    for (int g = 0; g < GN; ++g) {
-      const __m256 pb = _mm256_broadcast_ss(p + g * p_stride + i);
-      for (int j = 0; j < NV; ++j) a[g][j] = _mm256_fmadd_ps(pb, v[j], a[g][j]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * j, a[g][j]);
-}
-
-// pv_block for all `group` query heads of one KV head and the whole of head_dim.
-template <int NV, typename T>
-void pv_block_heads(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
-                    const T* vb, int64_t n, int64_t token_stride) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    float* a = acc + g0 * head_dim;
-    const float* pg = p + g0 * len;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * NV) {
-      switch (std::min<int64_t>(4, group - g0)) {
-#define ATOM_PV_CASE(GN)                                                        \
-  case GN:                                                                      \
-    pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);            \
-    break;
-        ATOM_PV_CASE(1) ATOM_PV_CASE(2) ATOM_PV_CASE(3) ATOM_PV_CASE(4)
-#undef ATOM_PV_CASE
-      }
-    }
-  }
-}
-
-#endif  // ATOM_AVX2
-
-#if ATOM_AVX512
-
-// One query head's scores against the 16 tokens k_i = kb + i * token_stride, as 16 lanes: 16
-// independent accumulators over D (token by token, so one pointer walks the rows), then one
-// transpose-add. q is the head's float32 row times scale, or (VDPBF16PS, T = bf16) its raw bf16
-// row, the scale applied to the sums.
-template <typename T, typename Q>
-inline __m512 score_tile16(const Q* q, const T* kb, int64_t token_stride, int64_t head_dim,
-                           float scale) {
-  __m512 acc[16];
-  if constexpr (std::is_same_v<Q, BF16>) {
-#if ATOM_AVX512_BF16
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const T* k = kb + i * token_stride;
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 32)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + d),
-                             (__m512bh)_mm512_loadu_si512(k + d));
-      acc[i] = a;
-    }
-    return _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
-#endif
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const T* k = kb + i * token_stride;
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 16)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
-      acc[i] = a;
-    }
-  }
-  return hsum16x16(acc);
-}
-
-// The scores of the n tokens of one block against one query head into s[0, n): whole tiles of
-// 16 in place, a last partial tile through a zero-padded copy (never reading past the block).
-template <typename T, typename Q>
-inline void score_block512(float* s, const Q* q, const T* kb, int64_t n, int64_t token_stride,
-                           int64_t head_dim, float scale, T* pad) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(s + i, score_tile16(q, kb + i * token_stride, token_stride, head_dim, scale));
-  if (i == n) return;
-  std::fill(pad, pad + 16 * head_dim, T(0));
-  for (int64_t j = i; j < n; ++j)
-    std::copy(kb + j * token_stride, kb + j * token_stride + head_dim, pad + (j - i) * head_dim);
-  _mm512_mask_storeu_ps(s + i, static_cast<__mmask16>((1u << (n - i)) - 1),
-                        score_tile16(q, pad, head_dim, head_dim, scale));
-}
-
-// 512-bit pv_block: acc[g][d0 : d0 + 16 NV] += sum_i p[g][i] * v_i[d0 : d0 + 16 NV].
-template <int GN, int NV, typename T>
-inline void pv_block512(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                        const T* vb, int64_t n, int64_t token_stride, int64_t d0) {
-  __m512 a[GN][NV];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) a[g][j] = _mm512_loadu_ps(acc + g * acc_stride + d0 + 16 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load16(vb + i * token_stride + d0 + 16 * j);
-    for (int g = 0; g < GN; ++g) {
-      const __m512 pb = _mm512_set1_ps(p[g * p_stride + i]);
-      for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(pb, v[j], a[g][j]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * acc_stride + d0 + 16 * j, a[g][j]);
-}
-
-template <int NV, typename T>
-void pv_block_heads512(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
-                       const T* vb, int64_t n, int64_t token_stride) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    float* a = acc + g0 * head_dim;
-    const float* pg = p + g0 * len;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * NV) {
-      switch (std::min<int64_t>(4, group - g0)) {
-#define ATOM_PV_CASE(GN)                                                        \
-  case GN:                                                                      \
-    pv_block512<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);         \
-    break;
-        ATOM_PV_CASE(1) ATOM_PV_CASE(2) ATOM_PV_CASE(3) ATOM_PV_CASE(4)
-#undef ATOM_PV_CASE
-      }
-    }
-  }
-}
-
-#endif  // ATOM_AVX512
 
 // A work item: the query heads [h_begin * G, h_end * G) of sequence s (those its KV heads
 // [h_begin, h_end) serve, adjacent in q) over its tokens [t_begin, t_end).
@@ -293,19 +76,16 @@ inline int64_t token_offset(const Problem<T>& P, const int64_t* table, int64_t t
   return table[t / P.block_size] * P.block_stride + (t % P.block_size) * P.token_stride;
 }
 
-// The item's query rows into w.qf (float32, times scale) and, for bf16, w.qb (raw); sizes the
+// The item's query rows: w.q points at them, w.qf holds them in float32 times scale; sizes the
 // other buffers.
 template <typename T>
 void load_queries(const Problem<T>& P, const Item& it, Scratch<T>& w) {
   const int64_t D = P.head_dim, nq = (it.h_end - it.h_begin) * P.group;
   w.qf.resize(nq * D);
-  if constexpr (std::is_same_v<T, BF16>) w.qb.resize(nq * D);
+  w.q.resize(nq);
   for (int64_t r = 0; r < nq; ++r) {
-    const T* qr = P.q + it.s * P.q_seq_stride + (it.h_begin * P.group + r) * P.q_head_stride;
-    for (int64_t d = 0; d < D; ++d) {
-      if constexpr (std::is_same_v<T, BF16>) w.qb[r * D + d] = qr[d];
-      w.qf[r * D + d] = static_cast<float>(qr[d]) * P.scale;
-    }
+    w.q[r] = P.q + it.s * P.q_seq_stride + (it.h_begin * P.group + r) * P.q_head_stride;
+    load_query_row(w.q[r], D, P.scale, w.qf.data() + r * D);
   }
   w.scores.resize(nq * (it.t_end - it.t_begin));
   w.o.assign(nq * D, 0.f);
@@ -351,20 +131,9 @@ void score_pass(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
     const int64_t n = std::min(bs - t0 % bs, it.t_end - t0);
     const T* kb = P.k_cache + token_offset(P, table, t0);
     if (t0 + n < it.t_end) prefetch_block(P.k_cache + token_offset(P, table, t0 + n), P.block_stride);
-    for (int64_t r = 0; r < nq; ++r) {
-      const T* kh = kb + (it.h_begin + r / G) * D;
-      float* sr = w.scores.data() + r * n_tok + (t0 - it.t_begin);
-#if ATOM_AVX512
-      if (path == Path::kAvx512) {
-        if constexpr (std::is_same_v<T, BF16> && ATOM_AVX512_BF16)  // VDPBF16PS on raw q
-          score_block512(sr, w.qb.data() + r * D, kh, n, ts, D, P.scale, w.pad.data());
-        else
-          score_block512(sr, w.qf.data() + r * D, kh, n, ts, D, P.scale, w.pad.data());
-        continue;
-      }
-#endif
-      score_block(sr, w.qf.data() + r * D, kh, n, ts, D);
-    }
+    for (int64_t r = 0; r < nq; ++r)
+      score_row(path, w.scores.data() + r * n_tok + (t0 - it.t_begin), w.qf.data() + r * D,
+                w.q[r], kb + (it.h_begin + r / G) * D, n, ts, D, P.scale, w.pad.data());
   }
 }
 
@@ -380,19 +149,8 @@ void value_pass(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
     if (t0 + n < it.t_end) prefetch_block(P.v_cache + token_offset(P, table, t0 + n), P.block_stride);
     for (int64_t h = it.h_begin; h < it.h_end; ++h) {
       const int64_t r = (h - it.h_begin) * G;
-      float* o = w.o.data() + r * D;
-      const float* p = w.scores.data() + r * n_tok + (t0 - it.t_begin);
-      const T* vh = vb + h * D;
-#if ATOM_AVX512
-      if (path == Path::kAvx512) {
-        if (D % 64 == 0) pv_block_heads512<4>(o, G, D, p, n_tok, vh, n, ts);
-        else if (D % 32 == 0) pv_block_heads512<2>(o, G, D, p, n_tok, vh, n, ts);
-        else pv_block_heads512<1>(o, G, D, p, n_tok, vh, n, ts);
-        continue;
-      }
-#endif
-      if (D % 16 == 0) pv_block_heads<2>(o, G, D, p, n_tok, vh, n, ts);
-      else pv_block_heads<1>(o, G, D, p, n_tok, vh, n, ts);
+      pv_rows(path, w.o.data() + r * D, G, D, w.scores.data() + r * n_tok + (t0 - it.t_begin),
+              n_tok, vb + h * D, n, ts);
     }
   }
 }
@@ -410,17 +168,6 @@ void attend(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
     w.l[r] = softmax_numerators(w.scores.data() + r * n_tok, n_tok, &w.m[r]);
   value_pass(P, path, it, w);
 #endif
-}
-
-// out[i] = T(o[i] * factor) for n elements
-template <typename T>
-inline void store_scaled(T* out, const float* o, float factor, int64_t n) {
-  int64_t i = 0;
-#if ATOM_AVX2
-  const __m256 f = _mm256_set1_ps(factor);
-  for (; i + 8 <= n; i += 8) store8(out + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
-#endif
-  for (; i < n; ++i) out[i] = static_cast<T>(o[i] * factor);
 }
 
 template <typename T>
