@@ -119,6 +119,17 @@ void dispatch_float_bf16(const at::Tensor& x, F&& f) {
 template <typename T>
 void silu_and_mul_row(T* o, const T* gate, const T* up, int64_t n) {
   int64_t i = 0;
+#if ATOM_AVX512
+  // 16 lanes, and 1 / (1 + e^-g) by reciprocal estimate + Newton step instead of a division
+  // (the division was a third of this loop's time)
+  const __m512 one16 = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(one16, e)));
+    store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+  }
+#endif
 #if ATOM_AVX2
   const __m256 one = _mm256_set1_ps(1.f);
   for (; i + 8 <= n; i += 8) {

@@ -137,6 +137,24 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 consecutive elements from float32 lanes (bf16: rounded to nearest even, as store8).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+#if ATOM_AVX512_BF16
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(h));
+#else
+  store8(p, _mm512_castps512_ps256(v));
+  store8(p + 8, _mm512_extractf32x8_ps(v, 1));
+#endif
+}
+
+// 1 / d, 16 lanes: the 14-bit estimate and one Newton step (about 1 ulp of float32).
+inline __m512 reciprocal16(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+}
+
 // e^x, 16 lanes: exp256's method and constants (the same value in every lane).
 inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
