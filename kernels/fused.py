@@ -8,9 +8,10 @@ logsumexp + argmax for float32 logits), and otherwise the torch reference here, 
 exactly what Hugging Face's Llama does (RMSNorm in float32 and cast back, ``act(gate) * up``,
 ``x * cos + rotate_half(x) * sin``). On bfloat16 the kernels compute in float32 and round once
 per output element, where the reference rounds after every op: they are as close or closer to
-the exact result (tests/kernels/test_fused.py checks both against float64). One kernel call replaces a
-chain of 4-8 torch ops per layer; in a batch-64 decode step of SmolLM2-135M those chains were
-about a tenth of the step (docs/PERFORMANCE.md).
+the exact result (tests/kernels/test_fused.py checks both against float64). One kernel call
+replaces a chain of 4-8 torch ops per layer; in a batch-64 decode step of SmolLM2-135M those
+chains were about a tenth of the step in float32 (docs/PERFORMANCE.md), and about 15% of a
+bfloat16 W1 before the kernels took bfloat16 (issue 37).
 
 Imports torch only.
 """

@@ -6,12 +6,14 @@
 // The register tiling is what makes them fast: a dot product per (row, token) with one
 // accumulator is a chain of dependent FMAs, latency-bound at a few GFLOP/s.
 //
-// Paths, by what the build machine has (-march=native) and head_dim (D):
-// - AVX-512 (F/BW/VL), D % 16 == 0 (bfloat16: D % 32 == 0): 16-token score tiles summed with
-//   one transpose-add (vec.h hsum16x16), 16-lane value accumulators. bfloat16 K with
-//   AVX512-BF16: q . k by VDPBF16PS on the raw bf16 pairs (exact products, float32 sums; no
-//   conversion of K at all); without it K is widened to float32 lanes by a shift.
-// - AVX2 + FMA, D % 8 == 0: 8-token score tiles, 8-lane accumulators (bf16 widened by a shift).
+// Paths, by what the build machine has (-march=native), the dtype and head_dim (D):
+// - bfloat16 on AVX512-BF16, D % 32 == 0: q . k by VDPBF16PS on the raw bf16 pairs (exact
+//   products, float32 sums; K is never converted), 16 tokens a register tile summed with one
+//   transpose-add (vec.h hsum16x16); values widened to 16 float32 lanes by a shift.
+// - AVX2 + FMA, D % 8 == 0 (float32 everywhere, bfloat16 elsewhere): 8-token score tiles,
+//   8-lane accumulators (bf16 widened by a shift). float32 keeps these 256-bit tiles on AVX-512
+//   CPUs too: a 512-bit float32 variant (16-token tiles) was no faster on a Zen 4, which runs a
+//   512-bit op as two 256-bit halves (issue 37's alternating timings: within their noise).
 // - otherwise the callers' scalar loops, which compute the same.
 // Everything accumulates in float32.
 #pragma once
@@ -32,11 +34,11 @@ namespace attention_tiles {
 
 using BF16 = c10::BFloat16;
 
-enum class Path { kScalar, kAvx2, kAvx512 };
+enum class Path { kScalar, kAvx2, kAvx512Bf16 };
 
 template <typename T>
 Path path_for(int64_t head_dim) {
-  if (ATOM_AVX512 && head_dim % (std::is_same_v<T, BF16> ? 32 : 16) == 0) return Path::kAvx512;
+  if (std::is_same_v<T, BF16> && ATOM_AVX512_BF16 && head_dim % 32 == 0) return Path::kAvx512Bf16;
   if (ATOM_AVX2 && head_dim % 8 == 0) return Path::kAvx2;
   return Path::kScalar;
 }
@@ -155,52 +157,35 @@ void pv_block_heads(float* acc, int64_t group, int64_t head_dim, const float* p,
 
 #endif  // ATOM_AVX2
 
-#if ATOM_AVX512
+#if ATOM_AVX512_BF16
 
-// One query head's scores against the 16 tokens k_i = kb + i * token_stride, as 16 lanes: 16
-// independent accumulators over D (token by token, so one pointer walks the rows), then one
-// transpose-add. q is the head's float32 row times scale, or (VDPBF16PS, T = bf16) its raw bf16
-// row, the scale applied to the sums.
-template <typename T, typename Q>
-inline __m512 score_tile16(const Q* q, const T* kb, int64_t token_stride, int64_t head_dim,
+// One query head's scores against the 16 bf16 tokens k_i = kb + i * token_stride, as 16 lanes:
+// 16 independent VDPBF16PS accumulators over D (token by token, so one pointer walks the rows)
+// on the raw bf16 q row, one transpose-add, then the scale.
+inline __m512 score_tile16(const BF16* q, const BF16* kb, int64_t token_stride, int64_t head_dim,
                            float scale) {
   __m512 acc[16];
-  if constexpr (std::is_same_v<Q, BF16>) {
-#if ATOM_AVX512_BF16
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const T* k = kb + i * token_stride;
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 32)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + d),
-                             (__m512bh)_mm512_loadu_si512(k + d));
-      acc[i] = a;
-    }
-    return _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
-#endif
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const T* k = kb + i * token_stride;
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 16)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
-      acc[i] = a;
-    }
+  for (int i = 0; i < 16; ++i) {
+    const BF16* k = kb + i * token_stride;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 32)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + d),
+                           (__m512bh)_mm512_loadu_si512(k + d));
+    acc[i] = a;
   }
-  return hsum16x16(acc);
+  return _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
 }
 
 // The scores of the n tokens of one block against one query head into s[0, n): whole tiles of
 // 16 in place, a last partial tile through a zero-padded copy (never reading past the block).
-template <typename T, typename Q>
-inline void score_block512(float* s, const Q* q, const T* kb, int64_t n, int64_t token_stride,
-                           int64_t head_dim, float scale, T* pad) {
+inline void score_block512(float* s, const BF16* q, const BF16* kb, int64_t n,
+                           int64_t token_stride, int64_t head_dim, float scale, BF16* pad) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(s + i, score_tile16(q, kb + i * token_stride, token_stride, head_dim, scale));
   if (i == n) return;
-  std::fill(pad, pad + 16 * head_dim, T(0));
+  std::fill(pad, pad + 16 * head_dim, BF16(0));
   for (int64_t j = i; j < n; ++j)
     std::copy(kb + j * token_stride, kb + j * token_stride + head_dim, pad + (j - i) * head_dim);
   _mm512_mask_storeu_ps(s + i, static_cast<__mmask16>((1u << (n - i)) - 1),
@@ -245,7 +230,7 @@ void pv_block_heads512(float* acc, int64_t group, int64_t head_dim, const float*
   }
 }
 
-#endif  // ATOM_AVX512
+#endif  // ATOM_AVX512_BF16
 
 #if ATOM_AVX2
 
@@ -256,13 +241,9 @@ void pv_block_heads512(float* acc, int64_t group, int64_t head_dim, const float*
 template <typename T>
 inline void score_row(Path path, float* s, const float* qf, const T* q, const T* kh,
                       int64_t n, int64_t ts, int64_t head_dim, float scale, T* pad) {
-#if ATOM_AVX512
-  if (path == Path::kAvx512) {
-    if constexpr (std::is_same_v<T, BF16> && ATOM_AVX512_BF16)
-      score_block512(s, q, kh, n, ts, head_dim, scale, pad);
-    else
-      score_block512(s, qf, kh, n, ts, head_dim, scale, pad);
-    return;
+#if ATOM_AVX512_BF16
+  if constexpr (std::is_same_v<T, BF16>) {
+    if (path == Path::kAvx512Bf16) return score_block512(s, q, kh, n, ts, head_dim, scale, pad);
   }
 #endif
   score_block(s, qf, kh, n, ts, head_dim);
@@ -273,8 +254,8 @@ inline void score_row(Path path, float* s, const float* qf, const T* q, const T*
 template <typename T>
 inline void pv_rows(Path path, float* o, int64_t rows, int64_t head_dim, const float* p,
                     int64_t p_stride, const T* vh, int64_t n, int64_t ts) {
-#if ATOM_AVX512
-  if (path == Path::kAvx512) {
+#if ATOM_AVX512_BF16
+  if (path == Path::kAvx512Bf16) {
     if (head_dim % 64 == 0) pv_block_heads512<4>(o, rows, head_dim, p, p_stride, vh, n, ts);
     else if (head_dim % 32 == 0) pv_block_heads512<2>(o, rows, head_dim, p, p_stride, vh, n, ts);
     else pv_block_heads512<1>(o, rows, head_dim, p, p_stride, vh, n, ts);

@@ -39,9 +39,9 @@ def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out)
 
 
-# head_dim picks the kernel's path on an AVX-512 CPU: 64 the 512-bit one (bf16: VDPBF16PS
-# where the CPU has AVX512-BF16), 48 the 512-bit one for float32 and AVX2 for bfloat16 (its
-# 512-bit path needs D % 32 == 0), 24 AVX2, 12 the scalar loop (on an AVX2 CPU: 64, 48, 24 AVX2).
+# head_dim picks the kernel's path (kernels/csrc/attention_tiles.h): on an AVX512-BF16 CPU 64 is
+# bfloat16's VDPBF16PS path (it needs D % 32 == 0), 48 and 24 the AVX2 path (float32 takes it
+# for 64 too), 12 the scalar loop; on an AVX2 CPU 64, 48 and 24 are AVX2.
 HEAD_DIMS = [64, 48, 24, 12]
 # Tolerances against float64 math on the same inputs: float32 accumulation only (1e-5); a
 # bfloat16 output also carries its one rounding, at most half a bf16 ulp (2^-9 relative, so
