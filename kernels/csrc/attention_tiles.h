@@ -45,10 +45,18 @@ Path path_for(int64_t head_dim) {
 
 #if ATOM_AVX2
 
+// Prefetch slice `part` of `parts` of a block's rows (bs rows, row i's elements [i * ts + first,
+// i * ts + first + width): the KV heads of a work item). Callers spread a block's prefetch over
+// the work of the block before it: issued all at once, the prefetches filled the core's miss
+// buffers and stalled it (the decode step then ran at about half the memory bandwidth).
 template <typename T>
-inline void prefetch_block(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * (int64_t)sizeof(T); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+inline void prefetch_rows(const T* block, int64_t bs, int64_t ts, int64_t first, int64_t width,
+                          int64_t part, int64_t parts) {
+  for (int64_t i = bs * part / parts; i < bs * (part + 1) / parts; ++i) {
+    const char* c = reinterpret_cast<const char*>(block + i * ts + first);
+    for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(c + off, _MM_HINT_T0);
+  }
 }
 
 // scores[i] = q . k_i for n tokens of one block (k_i = kb + i * token_stride); D % 8 == 0.

@@ -121,7 +121,8 @@ void attend_scalar(const Problem<T>& P, const Item& it, Scratch<T>& w) {
 
 #if ATOM_AVX2
 // Pass 1 of the vector paths: w.scores, block by block (t0: a block's first token in range, n:
-// its tokens in range), the next block prefetched.
+// its tokens in range), the next K block (after the last one, the first V block) prefetched a
+// slice per query head.
 template <typename T>
 void score_pass(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
   const int64_t G = P.group, D = P.head_dim, nq = (it.h_end - it.h_begin) * G;
@@ -130,14 +131,18 @@ void score_pass(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
   for (int64_t t0 = it.t_begin; t0 < it.t_end; t0 += bs - t0 % bs) {
     const int64_t n = std::min(bs - t0 % bs, it.t_end - t0);
     const T* kb = P.k_cache + token_offset(P, table, t0);
-    if (t0 + n < it.t_end) prefetch_block(P.k_cache + token_offset(P, table, t0 + n), P.block_stride);
-    for (int64_t r = 0; r < nq; ++r)
+    const T* next = t0 + n < it.t_end ? P.k_cache + token_offset(P, table, t0 + n)
+                                      : P.v_cache + token_offset(P, table, it.t_begin);
+    for (int64_t r = 0; r < nq; ++r) {
       score_row(path, w.scores.data() + r * n_tok + (t0 - it.t_begin), w.qf.data() + r * D,
                 w.q[r], kb + (it.h_begin + r / G) * D, n, ts, D, P.scale, w.pad.data());
+      prefetch_rows(next, bs, ts, it.h_begin * D, (it.h_end - it.h_begin) * D, r, nq);
+    }
   }
 }
 
-// Pass 2 of the vector paths: w.o += p v, block by block, all G query heads of a KV head at once.
+// Pass 2 of the vector paths: w.o += p v, block by block, all G query heads of a KV head at
+// once; the next V block prefetched a slice per KV head.
 template <typename T>
 void value_pass(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
   const int64_t G = P.group, D = P.head_dim, n_tok = it.t_end - it.t_begin;
@@ -146,11 +151,14 @@ void value_pass(const Problem<T>& P, Path path, const Item& it, Scratch<T>& w) {
   for (int64_t t0 = it.t_begin; t0 < it.t_end; t0 += bs - t0 % bs) {
     const int64_t n = std::min(bs - t0 % bs, it.t_end - t0);
     const T* vb = P.v_cache + token_offset(P, table, t0);
-    if (t0 + n < it.t_end) prefetch_block(P.v_cache + token_offset(P, table, t0 + n), P.block_stride);
+    const int64_t heads = it.h_end - it.h_begin;
     for (int64_t h = it.h_begin; h < it.h_end; ++h) {
       const int64_t r = (h - it.h_begin) * G;
       pv_rows(path, w.o.data() + r * D, G, D, w.scores.data() + r * n_tok + (t0 - it.t_begin),
               n_tok, vb + h * D, n, ts);
+      if (t0 + n < it.t_end)
+        prefetch_rows(P.v_cache + token_offset(P, table, t0 + n), bs, ts, it.h_begin * D,
+                      heads * D, h - it.h_begin, heads);
     }
   }
 }
