@@ -54,7 +54,9 @@ PARTS = (
 
 
 def part_of(name: str) -> str:
-    """The part of :data:`PARTS` an op name belongs to ("other ops" when none)."""
+    """The part of :data:`PARTS` an op name belongs to ("other ops" when none); ``--base``'s ops
+    (``atom_kernels_base::``) count as ours."""
+    name = name.replace("atom_kernels_base::", "atom_kernels::")
     for part, prefixes in PARTS:
         if name.startswith(prefixes):
             return part
