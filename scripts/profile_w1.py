@@ -31,6 +31,7 @@ import random
 import time
 
 from bench_common import DEFAULT_DATASET, cpu_description, write_json_report
+from bench_kernels_ab import run_requests
 
 #: (part, op-name prefixes) in match order; an op whose name starts with none of them is "other".
 PARTS = (
@@ -61,21 +62,6 @@ def part_of(name: str) -> str:
         if name.startswith(prefixes):
             return part
     return "other ops"
-
-
-def run_w1(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> int:
-    """All of ``prompts`` through ``engine`` to completion; returns the output tokens."""
-    from atom import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", ids, params)
-    num_output = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                num_output += len(out.outputs[0].token_ids)
-    return num_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [list(x["ids"]) for x in json.loads(args.dataset.read_text())[: args.num_prompts]]
     rng = random.Random(12345)  # ids >= 3: no special tokens
     with paths():
-        run_w1(engine, [[rng.randrange(3, 4000) for _ in range(128)] for _ in range(4)], 8,
+        run_requests(engine, [[rng.randrange(3, 4000) for _ in range(128)] for _ in range(4)], 8,
                "warmup")
 
     with paths(), profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        num_output = run_w1(engine, prompts, args.max_tokens, "w1")
+        num_output = run_requests(engine, prompts, args.max_tokens, "w1")
         wall_s = time.perf_counter() - start
 
     parts: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])

@@ -143,26 +143,6 @@ inline void pv_block(float* acc, int64_t acc_stride, const float* p, int64_t p_s
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * j, a[g][j]);
 }
 
-// pv_block for all `group` query heads of one KV head and the whole of head_dim.
-template <int NV, typename T>
-void pv_block_heads(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
-                    const T* vb, int64_t n, int64_t token_stride) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    float* a = acc + g0 * head_dim;
-    const float* pg = p + g0 * len;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * NV) {
-      switch (std::min<int64_t>(4, group - g0)) {
-#define ATOM_PV_CASE(GN)                                                        \
-  case GN:                                                                      \
-    pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);            \
-    break;
-        ATOM_PV_CASE(1) ATOM_PV_CASE(2) ATOM_PV_CASE(3) ATOM_PV_CASE(4)
-#undef ATOM_PV_CASE
-      }
-    }
-  }
-}
-
 #endif  // ATOM_AVX2
 
 #if ATOM_AVX512_BF16
@@ -219,28 +199,38 @@ inline void pv_block512(float* acc, int64_t acc_stride, const float* p, int64_t 
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * acc_stride + d0 + 16 * j, a[g][j]);
 }
 
-template <int NV, typename T>
-void pv_block_heads512(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
-                       const T* vb, int64_t n, int64_t token_stride) {
+#endif  // ATOM_AVX512_BF16
+
+#if ATOM_AVX2
+
+// pv_block (Lanes 8) or pv_block512 (Lanes 16) for `group` query rows (p: stride len) and the
+// whole of head_dim, up to 4 rows at a time.
+template <int Lanes, int NV, typename T>
+void pv_block_heads(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
+                    const T* vb, int64_t n, int64_t token_stride) {
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     float* a = acc + g0 * head_dim;
     const float* pg = p + g0 * len;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * NV) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += Lanes * NV) {
       switch (std::min<int64_t>(4, group - g0)) {
-#define ATOM_PV_CASE(GN)                                                        \
-  case GN:                                                                      \
-    pv_block512<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);         \
+#if ATOM_AVX512_BF16
+#define ATOM_PV_BLOCK(GN)                                                         \
+  if constexpr (Lanes == 16) pv_block512<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0); \
+  else pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);
+#else
+#define ATOM_PV_BLOCK(GN) pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);
+#endif
+#define ATOM_PV_CASE(GN) \
+  case GN:               \
+    ATOM_PV_BLOCK(GN)    \
     break;
         ATOM_PV_CASE(1) ATOM_PV_CASE(2) ATOM_PV_CASE(3) ATOM_PV_CASE(4)
 #undef ATOM_PV_CASE
+#undef ATOM_PV_BLOCK
       }
     }
   }
 }
-
-#endif  // ATOM_AVX512_BF16
-
-#if ATOM_AVX2
 
 // The scores of one query row against the n tokens of one block into s[0, n) (kh: the row's KV
 // head in the block's first token, ts: elements between tokens). qf is the row times scale in
@@ -264,14 +254,13 @@ inline void pv_rows(Path path, float* o, int64_t rows, int64_t head_dim, const f
                     int64_t p_stride, const T* vh, int64_t n, int64_t ts) {
 #if ATOM_AVX512_BF16
   if (path == Path::kAvx512Bf16) {
-    if (head_dim % 64 == 0) pv_block_heads512<4>(o, rows, head_dim, p, p_stride, vh, n, ts);
-    else if (head_dim % 32 == 0) pv_block_heads512<2>(o, rows, head_dim, p, p_stride, vh, n, ts);
-    else pv_block_heads512<1>(o, rows, head_dim, p, p_stride, vh, n, ts);
+    if (head_dim % 64 == 0) pv_block_heads<16, 4>(o, rows, head_dim, p, p_stride, vh, n, ts);
+    else pv_block_heads<16, 2>(o, rows, head_dim, p, p_stride, vh, n, ts);  // D % 32 == 0
     return;
   }
 #endif
-  if (head_dim % 16 == 0) pv_block_heads<2>(o, rows, head_dim, p, p_stride, vh, n, ts);
-  else pv_block_heads<1>(o, rows, head_dim, p, p_stride, vh, n, ts);
+  if (head_dim % 16 == 0) pv_block_heads<8, 2>(o, rows, head_dim, p, p_stride, vh, n, ts);
+  else pv_block_heads<8, 1>(o, rows, head_dim, p, p_stride, vh, n, ts);
 }
 
 #endif  // ATOM_AVX2
