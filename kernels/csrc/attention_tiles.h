@@ -122,27 +122,6 @@ inline float softmax_numerators(float* s, int64_t n, float* max_out) {
   return exp_minus(s, n, *max_out);
 }
 
-// acc[g][d0 : d0 + 8 NV] += sum_i p[g][i] * v_i[d0 : d0 + 8 NV] over the n tokens of one block
-// (v_i = vb + i * token_stride), for GN query heads: GN * NV accumulators live in registers for
-// the block, and each V slice is loaded once for all GN heads.
-template <int GN, int NV, typename T>
-inline void pv_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                     const T* vb, int64_t n, int64_t token_stride, int64_t d0) {
-  __m256 a[GN][NV];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) a[g][j] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load8(vb + i * token_stride + d0 + 8 * j);
-    for (int g = 0; g < GN; ++g) {
-      const __m256 pb = _mm256_broadcast_ss(p + g * p_stride + i);
-      for (int j = 0; j < NV; ++j) a[g][j] = _mm256_fmadd_ps(pb, v[j], a[g][j]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * j, a[g][j]);
-}
-
 #endif  // ATOM_AVX2
 
 #if ATOM_AVX512_BF16
@@ -180,53 +159,70 @@ inline void score_block512(float* s, const BF16* q, const BF16* kb, int64_t n,
                         score_tile16(q, pad, head_dim, head_dim, scale));
 }
 
-// 512-bit pv_block: acc[g][d0 : d0 + 16 NV] += sum_i p[g][i] * v_i[d0 : d0 + 16 NV].
-template <int GN, int NV, typename T>
-inline void pv_block512(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                        const T* vb, int64_t n, int64_t token_stride, int64_t d0) {
-  __m512 a[GN][NV];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) a[g][j] = _mm512_loadu_ps(acc + g * acc_stride + d0 + 16 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load16(vb + i * token_stride + d0 + 16 * j);
-    for (int g = 0; g < GN; ++g) {
-      const __m512 pb = _mm512_set1_ps(p[g * p_stride + i]);
-      for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(pb, v[j], a[g][j]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * acc_stride + d0 + 16 * j, a[g][j]);
-}
-
 #endif  // ATOM_AVX512_BF16
 
 #if ATOM_AVX2
 
-// pv_block (Lanes 8) or pv_block512 (Lanes 16) for `group` query rows (p: stride len) and the
-// whole of head_dim, up to 4 rows at a time.
-template <int Lanes, int NV, typename T>
+// float32 register types for the value pass: 8 lanes (AVX2) and 16 (AVX-512).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T> static V widen(const T* p) { return load8(p); }
+  static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#if ATOM_AVX512_BF16
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T> static V widen(const T* p) { return load16(p); }
+  static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// acc[g][d0 : d0 + W NV] += sum_i p[g][i] * v_i[d0 : d0 + W NV] over the n tokens of one block
+// (v_i = vb + i * token_stride; W = L::kWidth), for GN query rows: GN * NV accumulators live in
+// registers for the block, and each V slice is loaded once for all GN rows.
+template <typename L, int GN, int NV, typename T>
+inline void pv_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
+                     const T* vb, int64_t n, int64_t token_stride, int64_t d0) {
+  constexpr int W = L::kWidth;
+  typename L::V a[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = L::load(acc + g * acc_stride + d0 + W * j);
+  for (int64_t i = 0; i < n; ++i) {
+    typename L::V v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = L::widen(vb + i * token_stride + d0 + W * j);
+    for (int g = 0; g < GN; ++g) {
+      const typename L::V pb = L::broadcast(p + g * p_stride + i);
+      for (int j = 0; j < NV; ++j) a[g][j] = L::fmadd(pb, v[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < NV; ++j) L::store(acc + g * acc_stride + d0 + W * j, a[g][j]);
+}
+
+// pv_block for `group` query rows (p: stride len) and the whole of head_dim, up to 4 rows at a
+// time.
+template <typename L, int NV, typename T>
 void pv_block_heads(float* acc, int64_t group, int64_t head_dim, const float* p, int64_t len,
                     const T* vb, int64_t n, int64_t token_stride) {
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     float* a = acc + g0 * head_dim;
     const float* pg = p + g0 * len;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += Lanes * NV) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += L::kWidth * NV) {
       switch (std::min<int64_t>(4, group - g0)) {
-#if ATOM_AVX512_BF16
-#define ATOM_PV_BLOCK(GN)                                                         \
-  if constexpr (Lanes == 16) pv_block512<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0); \
-  else pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);
-#else
-#define ATOM_PV_BLOCK(GN) pv_block<GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);
-#endif
-#define ATOM_PV_CASE(GN) \
-  case GN:               \
-    ATOM_PV_BLOCK(GN)    \
+#define ATOM_PV_CASE(GN)                                                        \
+  case GN:                                                                      \
+    pv_block<L, GN, NV>(a, head_dim, pg, len, vb, n, token_stride, d0);         \
     break;
         ATOM_PV_CASE(1) ATOM_PV_CASE(2) ATOM_PV_CASE(3) ATOM_PV_CASE(4)
 #undef ATOM_PV_CASE
-#undef ATOM_PV_BLOCK
       }
     }
   }
@@ -254,13 +250,13 @@ inline void pv_rows(Path path, float* o, int64_t rows, int64_t head_dim, const f
                     int64_t p_stride, const T* vh, int64_t n, int64_t ts) {
 #if ATOM_AVX512_BF16
   if (path == Path::kAvx512Bf16) {
-    if (head_dim % 64 == 0) pv_block_heads<16, 4>(o, rows, head_dim, p, p_stride, vh, n, ts);
-    else pv_block_heads<16, 2>(o, rows, head_dim, p, p_stride, vh, n, ts);  // D % 32 == 0
+    if (head_dim % 64 == 0) pv_block_heads<Lanes16, 4>(o, rows, head_dim, p, p_stride, vh, n, ts);
+    else pv_block_heads<Lanes16, 2>(o, rows, head_dim, p, p_stride, vh, n, ts);  // D % 32 == 0
     return;
   }
 #endif
-  if (head_dim % 16 == 0) pv_block_heads<8, 2>(o, rows, head_dim, p, p_stride, vh, n, ts);
-  else pv_block_heads<8, 1>(o, rows, head_dim, p, p_stride, vh, n, ts);
+  if (head_dim % 16 == 0) pv_block_heads<Lanes8, 2>(o, rows, head_dim, p, p_stride, vh, n, ts);
+  else pv_block_heads<Lanes8, 1>(o, rows, head_dim, p, p_stride, vh, n, ts);
 }
 
 #endif  // ATOM_AVX2
