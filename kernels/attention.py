@@ -35,12 +35,14 @@ Two per-layer options (gpt-oss; every path takes them):
 Sequences are ordered decodes first: the first ``num_decodes`` sequences have ``query_len == 1``
 and go through one batched call (:func:`decode_attention`: the compiled kernel of
 :mod:`atom.kernels.cpu_ops`, which reads the blocks in place, or, without it, the torch
-gather + masked SDPA of :func:`paged_decode_attention`); the others go through the per-sequence
-reference (:func:`paged_prefill_attention_reference`).
+gather + masked SDPA of :func:`paged_decode_attention`); the others through one more
+(:func:`prefill_attention`: the compiled prefill kernel, which reads the blocks in place too, or
+the per-sequence reference :func:`paged_prefill_attention_reference`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,13 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+    @functools.cached_property
+    def query_start_loc_tensor(self) -> torch.Tensor:
+        """int64 ``[S + 1]``, ``query_start_loc`` on the device (made once per step, on first
+        use: every layer's prefill attention reads it)."""
+        return torch.tensor(self.query_start_loc, dtype=torch.int64,
+                            device=self.slot_mapping.device)
 
     @classmethod
     def empty(cls, num_tokens: int = 0, device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -299,17 +308,50 @@ def decode_attention(
     """Batched decode attention: the compiled CPU kernel when it is built, else the torch path.
 
     The kernel (``kernels/csrc/paged_attention.cpp``) walks each sequence's block table and reads
-    K/V in place, so no context is copied; :func:`paged_decode_attention` gathers whole contexts
-    and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
-    Arguments and result as :func:`paged_decode_attention` (float32 or bfloat16; rows of
-    ``block_tables`` contiguous; each ``context_len >= 1``).
+    K/V in place, so no context is copied (bfloat16 K/V are read as bf16 and accumulated in
+    float32; q may be a strided view of the fused qkv); :func:`paged_decode_attention` gathers
+    whole contexts and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a
+    non-CPU device). Arguments and result as :func:`paged_decode_attention` (float32 or
+    bfloat16; each ``context_len >= 1``).
     """
     ops = cpu_ops.load() if q.device.type == "cpu" else None
     if ops is None or sinks is not None or sliding_window is not None:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
                                       sinks=sinks, sliding_window=sliding_window)
-    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                      scale).to(q.dtype)
+    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float, out: torch.Tensor,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+) -> None:
+    """Causal attention of the prefill sequences of ``meta`` (those after its decodes) into
+    ``out``: the compiled kernel when it is built, else the per-sequence reference.
+
+    The kernel (``kernels/csrc/prefill_attention.cpp``) runs every prefill sequence of the step
+    in one call and reads K/V from the cache through the block tables (new tokens, earlier
+    chunks and prefix-cached blocks alike: no gathered copy, no SDPA per sequence); the
+    reference (:func:`paged_prefill_attention_reference`) is the fallback (no compiler,
+    ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
+
+    Args:
+        q: ``[T, H, D]`` (may be a strided view of the fused qkv); k, v: ``[T, H_kv, D]``, the
+            new tokens' keys/values, already written to the caches.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``, q's dtype.
+        out: ``[T, H, D]``, written at the prefill sequences' rows only.
+        sinks, sliding_window: the layer's options (module docstring); None = off.
+    """
+    ops = cpu_ops.load() if q.device.type == "cpu" else None
+    num_decodes = meta.num_decodes
+    if ops is None or sinks is not None or sliding_window is not None:
+        paged_prefill_attention_reference(q, k, v, k_cache, v_cache, meta, scale=scale,
+                                          seq_range=range(num_decodes, meta.num_seqs), out=out,
+                                          sinks=sinks, sliding_window=sliding_window)
+        return
+    ops.paged_prefill_attention_(out, q, k_cache, v_cache, meta.block_tables[num_decodes:],
+                                 meta.context_lens_tensor[num_decodes:],
+                                 meta.query_start_loc_tensor[num_decodes:], scale)
 
 
 def paged_attention(
@@ -337,7 +379,8 @@ def paged_attention(
     if num_decodes == q.shape[0] and num_decodes > 0:  # a pure decode step, no padding
         return decode_attention(q, k_cache, v_cache, meta.block_tables,
                                 meta.context_lens_tensor, **options)
-    out = torch.zeros_like(q)
+    out = q.new_empty(q.shape)
+    out[meta.query_start_loc[-1]:].zero_()  # padding tokens
     if num_decodes > 0:
         # Decodes come first, so their tokens are q[:num_decodes].
         out[:num_decodes] = decode_attention(
@@ -345,10 +388,7 @@ def paged_attention(
             meta.context_lens_tensor[:num_decodes], **options,
         )
     if meta.num_seqs > num_decodes:
-        paged_prefill_attention_reference(
-            q, k, v, k_cache, v_cache, meta, seq_range=range(num_decodes, meta.num_seqs),
-            out=out, **options,
-        )
+        prefill_attention(q, k, v, k_cache, v_cache, meta, out=out, **options)
     return out
 
 
