@@ -309,16 +309,18 @@ def decode_attention(
 
     The kernel (``kernels/csrc/paged_attention.cpp``) walks each sequence's block table and reads
     K/V in place, so no context is copied (bfloat16 K/V are read as bf16 and accumulated in
-    float32; q may be a strided view of the fused qkv); :func:`paged_decode_attention` gathers
+    float32; q may be a strided view of the fused qkv; sinks and the window too: a windowed
+    sequence's blocks before its window are not read); :func:`paged_decode_attention` gathers
     whole contexts and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a
     non-CPU device). Arguments and result as :func:`paged_decode_attention` (float32 or
     bfloat16; each ``context_len >= 1``).
     """
     ops = cpu_ops.load() if q.device.type == "cpu" else None
-    if ops is None or sinks is not None or sliding_window is not None:
+    if ops is None:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
                                       sinks=sinks, sliding_window=sliding_window)
-    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      sinks, sliding_window)
 
 
 def prefill_attention(
@@ -331,7 +333,8 @@ def prefill_attention(
 
     The kernel (``kernels/csrc/prefill_attention.cpp``) runs every prefill sequence of the step
     in one call and reads K/V from the cache through the block tables (new tokens, earlier
-    chunks and prefix-cached blocks alike: no gathered copy, no SDPA per sequence); the
+    chunks and prefix-cached blocks alike: no gathered copy, no SDPA per sequence; with a window,
+    only the blocks from each tile's window start on); the
     reference (:func:`paged_prefill_attention_reference`) is the fallback (no compiler,
     ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
 
@@ -344,14 +347,15 @@ def prefill_attention(
     """
     ops = cpu_ops.load() if q.device.type == "cpu" else None
     num_decodes = meta.num_decodes
-    if ops is None or sinks is not None or sliding_window is not None:
+    if ops is None:
         paged_prefill_attention_reference(q, k, v, k_cache, v_cache, meta, scale=scale,
                                           seq_range=range(num_decodes, meta.num_seqs), out=out,
                                           sinks=sinks, sliding_window=sliding_window)
         return
     ops.paged_prefill_attention_(out, q, k_cache, v_cache, meta.block_tables[num_decodes:],
                                  meta.context_lens_tensor[num_decodes:],
-                                 meta.query_start_loc_tensor[num_decodes:], scale)
+                                 meta.query_start_loc_tensor[num_decodes:], scale, sinks,
+                                 sliding_window)
 
 
 def paged_attention(

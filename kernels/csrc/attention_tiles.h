@@ -1,7 +1,8 @@
 // Block-level pieces of atom's paged attention kernels (decode: paged_attention.cpp, prefill:
 // prefill_attention.cpp), for one KV head's block of tokens and a set of query rows:
 //   scores   s[t] = scale * q . k_t             register tiles of 16 tokens (AVX-512) or 8 (AVX2)
-//   softmax  p[t] = exp(s[t] - max)              vectorised exp (vec.h)
+//   softmax  p[t] = exp(s[t] - max)              vectorised exp (vec.h); a sink logit per head
+//                                                joins only the denominator (softmax_normalizer)
 //   values   o += sum_t p[t] v_t                 up to 4 query rows x 64 lanes of accumulators
 // The register tiling is what makes them fast: a dot product per (row, token) with one
 // accumulator is a chain of dependent FMAs, latency-bound at a few GFLOP/s.
@@ -270,6 +271,15 @@ inline void load_query_row(const T* q, int64_t head_dim, float scale, float* qf)
   for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(qf + d, _mm256_mul_ps(load8(q + d), sv));
 #endif
   for (; d < head_dim; ++d) qf[d] = static_cast<float>(q[d]) * scale;
+}
+
+// The factor that turns a row's unnormalised output o into its attention output: 1 / the
+// softmax's denominator, l = sum_t exp(s_t - m) over the row's keys (m: their max), plus
+// exp(sink - m) when the row's head has a sink logit (gpt-oss: one learned logit per head in the
+// denominator only, so the key weights sum to less than 1). A sink far above m gives 0, the
+// limit of the exact value.
+inline float softmax_normalizer(float m, float l, const float* sink) {
+  return 1.f / (sink == nullptr ? l : l + std::exp(*sink - m));
 }
 
 // out[i] = T(o[i] * factor) for n elements

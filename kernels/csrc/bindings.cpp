@@ -6,12 +6,15 @@
 #include "ops.h"
 
 TORCH_LIBRARY(atom_kernels, m) {
-  // Decode attention read in place from the paged KV cache (output in q's dtype).
+  // Decode attention read in place from the paged KV cache (output in q's dtype); optional
+  // sinks [H] and sliding window (gpt-oss).
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? sinks=None, int? sliding_window=None) "
+        "-> Tensor");
   // Causal prefill attention of several sequences read from the paged KV cache, into out.
   m.def("paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale) -> ()");
+        "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
+        "Tensor? sinks=None, int? sliding_window=None) -> ()");
   // RMSNorm of float32 or bfloat16 rows.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // residual += x in place, then RMSNorm of residual (float32 or bfloat16).

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace atom_kernels {
@@ -14,20 +15,26 @@ namespace atom_kernels {
 // block_size, H_kv, D] (same dtype as q, float32 or bfloat16, contiguous); block_tables int64
 // [S, >= max blocks]; context_lens int64 [S], >= 1. Returns [S, H, D] in q's dtype (float32
 // accumulation, one rounding). With fewer sequences than threads each context is split across
-// the threads (partial softmaxes merged: the same values up to float rounding).
+// the threads (partial softmaxes merged: the same values up to float rounding). The layer's
+// options (attention_options.h): sinks [H] (any float dtype) or none, sliding_window W > 0 (the
+// query sees its last W tokens) or none.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
-                                  double scale);
+                                  double scale, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> sliding_window);
 
 // Causal attention of the new tokens of S prefill sequences, read from the paged cache (their
 // K/V written already), into out: q and out [T, H, D] (rows and heads may be strided, D
 // contiguous), caches as paged_decode_attention; block_tables int64 [S, >= max blocks],
 // context_lens int64 [S] (tokens with KV, new ones included), query_start_loc int64 [S + 1]:
 // sequence i's new tokens are rows [query_start_loc[i], query_start_loc[i + 1]) of q, at the
-// last positions of its context. Other rows of out are left as they are.
+// last positions of its context. Other rows of out are left as they are. sinks and
+// sliding_window as paged_decode_attention's.
 void paged_prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                               at::Tensor v_cache, at::Tensor block_tables,
-                              at::Tensor context_lens, at::Tensor query_start_loc, double scale);
+                              at::Tensor context_lens, at::Tensor query_start_loc, double scale,
+                              const std::optional<at::Tensor>& sinks,
+                              std::optional<int64_t> sliding_window);
 
 // The fused elementwise ops take float32 or bfloat16 (every tensor of a call in one dtype;
 // bfloat16 computed in float32 and rounded once per output element).

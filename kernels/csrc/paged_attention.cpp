@@ -1,7 +1,9 @@
 // Decode attention straight from the paged KV cache (CPU), for atom.kernels.attention.
 //
-// One query token per sequence attends to the first context_len tokens of its own KV, read
-// block by block through its block table: no gathered copy of the context is ever made. Work
+// One query token per sequence attends to the first context_len tokens of its own KV (with a
+// sliding window W, to the last W of them), read block by block through its block table: no
+// gathered copy of the context is ever made. A sink logit per query head, when given, joins
+// each softmax's denominator at the end (softmax_normalizer). Work
 // items are (sequence, range of KV heads, range of whole blocks), run with at::parallel_for on
 // torch's intra-op threads (the extension is built with -fopenmp; without it at::parallel_for
 // runs serially):
@@ -23,6 +25,7 @@
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 
+#include "attention_options.h"
 #include "attention_tiles.h"
 #include "ops.h"
 
@@ -51,6 +54,8 @@ struct Problem {
   int64_t token_stride;  // elements between tokens of a block: H_kv * D
   int64_t block_stride;  // elements between blocks: block_size * H_kv * D
   float scale;
+  const float* sinks;      // [H] one logit per query head, or nullptr
+  int64_t sliding_window;  // a query sees its last this many tokens; 0 = all
 };
 
 // Per-thread buffers of a work item.
@@ -74,6 +79,12 @@ struct Item {
 template <typename T>
 inline int64_t token_offset(const Problem<T>& P, const int64_t* table, int64_t t) {
   return table[t / P.block_size] * P.block_stride + (t % P.block_size) * P.token_stride;
+}
+
+// Query head h's sink logit, or nullptr.
+template <typename T>
+inline const float* sink(const Problem<T>& P, int64_t h) {
+  return P.sinks == nullptr ? nullptr : P.sinks + h;
 }
 
 // The item's query rows: w.q points at them, w.qf holds them in float32 times scale; sizes the
@@ -197,17 +208,20 @@ void decode_kernel(T* out, const Problem<T>& P, int64_t num_seqs) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (items_per_seq * chunks), rest = item % (items_per_seq * chunks);
       const int64_t h_begin = rest / chunks * heads_per_item, c = rest % chunks;
-      const int64_t len = P.context_lens[s];
-      const int64_t num_blocks = (len + P.block_size - 1) / P.block_size;
+      // the visible keys [lo, len), split in chunks of whole blocks from lo's block on
+      const int64_t len = P.context_lens[s], bs = P.block_size;
+      const int64_t lo = P.sliding_window > 0 ? std::max<int64_t>(0, len - P.sliding_window) : 0;
+      const int64_t num_blocks = (len + bs - 1) / bs - lo / bs;
       const int64_t per_chunk = (num_blocks + chunks - 1) / chunks;
-      const int64_t t_begin = std::min(len, c * per_chunk * P.block_size);
-      const int64_t t_end = std::min(len, (c + 1) * per_chunk * P.block_size);
+      const int64_t t_begin = std::min(len, std::max(lo, (lo / bs + c * per_chunk) * bs));
+      const int64_t t_end = std::min(len, (lo / bs + (c + 1) * per_chunk) * bs);
       if (t_begin >= t_end) continue;  // a short context leaves the last chunks empty (l = 0)
       attend(P, path, Item{s, h_begin, h_begin + heads_per_item, t_begin, t_end}, w);
       const int64_t q_begin = h_begin * P.group, nq = heads_per_item * P.group;
       if (chunks == 1) {
         for (int64_t r = 0; r < nq; ++r)
-          store_scaled(out + (s * H + q_begin + r) * D, w.o.data() + r * D, 1.f / w.l[r], D);
+          store_scaled(out + (s * H + q_begin + r) * D, w.o.data() + r * D,
+                       softmax_normalizer(w.m[r], w.l[r], sink(P, q_begin + r)), D);
         continue;
       }
       const int64_t part = (s * chunks + c) * H + q_begin;
@@ -233,18 +247,17 @@ void decode_kernel(T* out, const Problem<T>& P, int64_t num_seqs) {
         const float* po = part_o.data() + i * D;
         for (int64_t d = 0; d < D; ++d) o[d] += wc * po[d];
       }
-      store_scaled(out + (s * H + r) * D, o.data(), 1.f / total, D);
+      store_scaled(out + (s * H + r) * D, o.data(), softmax_normalizer(mx, total, sink(P, r)), D);
     }
 }
 
 }  // namespace
 
-// q [S, H, D] (rows and heads may be strided, D contiguous); k_cache, v_cache [num_blocks,
-// block_size, H_kv, D] (same dtype as q, float32 or bfloat16, contiguous); block_tables int64
-// [S, >= max blocks]; context_lens int64 [S], >= 1. Returns [S, H, D] in q's dtype.
+// Arguments as in ops.h.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
-                                  double scale) {
+                                  double scale, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> sliding_window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q [S, H, D], caches [num_blocks, block_size, H_kv, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -264,6 +277,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto qc = q.stride(2) == 1 ? q : q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
+  const AttentionOptions options("paged_decode_attention", sinks, sliding_window, num_heads);
   auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   if (num_seqs == 0) return out;
   const auto launch = [&](auto* tag) {
@@ -272,7 +286,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), qc.stride(0),
                        qc.stride(1), num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads,
                        block_size, tables.size(1), num_kv_heads * head_dim,
-                       block_size * num_kv_heads * head_dim, static_cast<float>(scale)};
+                       block_size * num_kv_heads * head_dim, static_cast<float>(scale),
+                       options.sinks(), options.sliding_window};
     decode_kernel(out.data_ptr<T>(), P, num_seqs);
   };
   if (q.scalar_type() == at::kFloat) launch(static_cast<float*>(nullptr));

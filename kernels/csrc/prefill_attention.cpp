@@ -1,22 +1,24 @@
 // Prefill attention straight from the paged KV cache (CPU), for atom.kernels.attention: every
 // new token of a sequence attends causally to its sequence's KV up to its own position (earlier
-// prefill chunks and prefix-cached blocks included), read block by block through the block
-// table; the step's new K/V are in the cache already. One call covers all the prefill sequences
+// prefill chunks and prefix-cached blocks included; with a sliding window W only its last W
+// positions), read block by block through the block table; the step's new K/V are in the cache already. One call covers all the prefill sequences
 // of a step, so no context is gathered and no per-sequence SDPA is dispatched.
 //
 // Work items are (sequence, KV head, tile of up to 16 consecutive new tokens), run with
 // at::parallel_for. An item's rows are its tokens x the G = H / H_kv query heads of its KV head;
-// it walks the key blocks up to its last token's position once, keeping per row the running
-// max m, sum l and unnormalised output o (the online softmax of FlashAttention, Dao et al. 2022,
-// arXiv:2205.14135): for each block, scores by the tiles of attention_tiles.h, keys past a row's
-// position dropped (the causal mask, only in the tile's last blocks), o and l rescaled by
-// exp(m_old - m_new), then o += p v. Everything accumulates in float32 (p too, where torch's
+// it walks the key blocks from its first token's window start (0 without a window) to its last
+// token's position once, keeping per row the running max m, sum l and unnormalised output o (the
+// online softmax of FlashAttention, Dao et al. 2022, arXiv:2205.14135): for each block, scores
+// by the tiles of attention_tiles.h, keys outside a row's range dropped (past its position: the
+// causal mask, only in the tile's last blocks; before its window: only in its first ones), o and
+// l rescaled by exp(m_old - m_new), then o += p v; a head's sink logit joins l at the end. Everything accumulates in float32 (p too, where torch's
 // flash attention rounds p to bf16 for its bf16 GEMM); the output is rounded to q's dtype once.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#include "attention_options.h"
 #include "attention_tiles.h"
 #include "ops.h"
 
@@ -50,6 +52,8 @@ struct Prefill {
   int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
   int64_t head_dim, group, block_size, table_stride, token_stride, block_stride;
   float scale;
+  const float* sinks;      // [H] one logit per query head, or nullptr
+  int64_t sliding_window;  // a query sees its last this many positions; 0 = all
 };
 
 // An item: new tokens [first, first + num) of sequence s (token indices within the sequence's
@@ -67,6 +71,12 @@ struct TileScratch {
   std::vector<float> m, l;
   std::vector<T> pad;     // [16, D] a partial tile of K, zero-padded
 };
+
+// The first key a query at position pos sees.
+template <typename T>
+inline int64_t first_key(const Prefill<T>& P, int64_t pos) {
+  return P.sliding_window > 0 ? std::max<int64_t>(0, pos - P.sliding_window + 1) : 0;
+}
 
 // Row r of a tile is token first + r / G and query head h * G + r % G.
 template <typename T>
@@ -126,13 +136,14 @@ void add_values(const Prefill<T>& P, Path path, const T* vh, int64_t n, int64_t 
 #endif
 }
 
-// One row's step of the online softmax over a block: of its n scores s[0, n) the first `valid`
-// count (the rest are keys after its token). In place p[i] = exp(s[i] - m_new), 0 for the rest;
-// returns m_new = max(m_old, max s[0, valid)) and sets *sum = sum p.
-inline float exp_row(float* s, int64_t n, int64_t valid, float m_old, float* sum) {
+// One row's step of the online softmax over a block: of its n scores s[0, n) those in
+// [lo, hi) count (before lo: keys before its window; from hi on: keys after its token), with
+// 0 <= lo < hi <= n. In place p[i] = exp(s[i] - m_new), 0 for the rest; returns
+// m_new = max(m_old, max s[lo, hi)) and sets *sum = sum p.
+inline float exp_row(float* s, int64_t n, int64_t lo, int64_t hi, float m_old, float* sum) {
 #if ATOM_AVX512
   if (n <= 16) {  // one register; masked-off lanes (dropped keys, lanes past n) become 0
-    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 keep = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
     const __m512 sv = _mm512_maskz_loadu_ps(keep, s);
     const float m_new = std::max(m_old, _mm512_mask_reduce_max_ps(keep, sv));
     const __m512 e = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
@@ -141,35 +152,38 @@ inline float exp_row(float* s, int64_t n, int64_t valid, float m_old, float* sum
     return m_new;
   }
 #endif
-  std::fill(s + valid, s + n, 0.f);
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + hi, s + n, 0.f);
 #if ATOM_AVX2
-  const float m_new = std::max(m_old, max_of(s, valid));
-  *sum = exp_minus(s, valid, m_new);
+  const float m_new = std::max(m_old, max_of(s + lo, hi - lo));
+  *sum = exp_minus(s + lo, hi - lo, m_new);
 #else
   float m_new = m_old;
-  for (int64_t i = 0; i < valid; ++i) m_new = std::max(m_new, s[i]);
+  for (int64_t i = lo; i < hi; ++i) m_new = std::max(m_new, s[i]);
   *sum = 0.f;
-  for (int64_t i = 0; i < valid; ++i) { s[i] = std::exp(s[i] - m_new); *sum += s[i]; }
+  for (int64_t i = lo; i < hi; ++i) { s[i] = std::exp(s[i] - m_new); *sum += s[i]; }
 #endif
   return m_new;
 }
 
-// Online softmax over one block of n keys starting at position t0: row r (position pos0 + r / G)
-// keeps keys t0 + i <= its position; its scores become probabilities (0 for dropped keys), its
-// o and l are rescaled to the new running max.
+// Online softmax over n keys starting at position t0 (within one block): row r (position
+// p = pos0 + r / G) keeps the keys t0 + i in [first_key(p), p]; its scores become
+// probabilities (0 for dropped keys), its o and l are rescaled to the new running max.
 template <typename T>
 void softmax_block(const Prefill<T>& P, int64_t t0, int64_t n, int64_t pos0, int64_t rows,
                    TileScratch<T>& w) {
   const int64_t G = P.group, D = P.head_dim, bs = P.block_size;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = w.s.data() + r * bs;
-    const int64_t valid = std::min(n, pos0 + r / G - t0 + 1);
-    if (valid <= 0) {  // every key of this block is after this row's token
+    const int64_t pos = pos0 + r / G;
+    const int64_t lo = std::max<int64_t>(0, first_key(P, pos) - t0);
+    const int64_t hi = std::min(n, pos - t0 + 1);
+    if (hi <= lo) {  // every key here is after this row's token or before its window
       std::fill(s, s + n, 0.f);
       continue;
     }
     float sum;
-    const float m_new = exp_row(s, n, valid, w.m[r], &sum);
+    const float m_new = exp_row(s, n, lo, hi, w.m[r], &sum);
     if (m_new > w.m[r]) {  // rescale what earlier blocks accumulated (nothing before the first)
       const float alpha = std::exp(w.m[r] - m_new);
       w.l[r] *= alpha;
@@ -186,19 +200,23 @@ void attend_tile(const Prefill<T>& P, Path path, const Tile& tile, TileScratch<T
   const int64_t rows = tile.num * P.group, D = P.head_dim;
   const int64_t query_len = P.query_start_loc[tile.s + 1] - P.query_start_loc[tile.s];
   const int64_t pos0 = P.context_lens[tile.s] - query_len + tile.first;  // the first row's token
-  const int64_t end = pos0 + tile.num;  // keys [0, end): up to the last row's token
+  const int64_t end = pos0 + tile.num;  // keys [first_key(pos0), end): up to the last row's token
   const int64_t* table = P.block_tables + tile.s * P.table_stride;
-  for (int64_t t0 = 0; t0 < end; t0 += P.block_size) {
-    const int64_t n = std::min(P.block_size, end - t0);
-    const int64_t offset = table[t0 / P.block_size] * P.block_stride + tile.h * D;
+  const int64_t bs = P.block_size;
+  for (int64_t t0 = first_key(P, pos0); t0 < end; t0 += bs - t0 % bs) {
+    const int64_t n = std::min(bs - t0 % bs, end - t0);  // to the end of t0's block
+    const int64_t offset =
+        table[t0 / bs] * P.block_stride + (t0 % bs) * P.token_stride + tile.h * D;
     score_rows(P, path, P.k_cache + offset, n, rows, w);
     softmax_block(P, t0, n, pos0, rows, w);
     add_values(P, path, P.v_cache + offset, n, rows, w);
   }
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = tile.h * P.group + r % P.group;
     T* out = P.out + (P.query_start_loc[tile.s] + tile.first + r / P.group) * P.out_row_stride +
-             (tile.h * P.group + r % P.group) * P.out_head_stride;
-    store_scaled(out, w.o.data() + r * D, 1.f / w.l[r], D);
+             head * P.out_head_stride;
+    store_scaled(out, w.o.data() + r * D,
+                 softmax_normalizer(w.m[r], w.l[r], P.sinks ? P.sinks + head : nullptr), D);
   }
 }
 
@@ -227,7 +245,9 @@ void prefill_kernel(const Prefill<T>& P, int64_t num_seqs, int64_t num_kv_heads)
 
 void paged_prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                               at::Tensor v_cache, at::Tensor block_tables,
-                              at::Tensor context_lens, at::Tensor query_start_loc, double scale) {
+                              at::Tensor context_lens, at::Tensor query_start_loc, double scale,
+                              const std::optional<at::Tensor>& sinks,
+                              std::optional<int64_t> sliding_window) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes(),
               "paged_prefill_attention_: q and out [T, H, D], caches [num_blocks, block_size, "
@@ -250,6 +270,7 @@ void paged_prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache,
   TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1,
               "paged_prefill_attention_: one block table row and context length per sequence, "
               "query_start_loc one longer");
+  const AttentionOptions options("paged_prefill_attention_", sinks, sliding_window, num_heads);
   auto qc = q.stride(2) == 1 ? q : q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -271,7 +292,7 @@ void paged_prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                        qc.stride(1), out.stride(0), out.stride(1), head_dim,
                        num_heads / num_kv_heads, block_size, tables.size(1),
                        num_kv_heads * head_dim, block_size * num_kv_heads * head_dim,
-                       static_cast<float>(scale)};
+                       static_cast<float>(scale), options.sinks(), options.sliding_window};
     prefill_kernel(P, num_seqs, num_kv_heads);
   };
   if (q.scalar_type() == at::kFloat) launch(static_cast<float*>(nullptr));

@@ -1,20 +1,31 @@
-"""The compiled paged decode attention kernel against float64 math and the torch paths (CPU)."""
+"""The compiled paged decode and prefill attention kernels against float64 math and the torch
+paths (CPU), plain and with gpt-oss's sinks and sliding window."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from atom.kernels.attention import decode_attention, gather_kv, paged_decode_attention
+from atom.kernels.attention import (
+    AttentionMetadata,
+    decode_attention,
+    gather_kv,
+    paged_decode_attention,
+    prefill_attention,
+)
 
 # Every test takes the `ops` fixture (conftest.py): a kernel that did not build fails them.
 
 
 def _random_case(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, max_len: int, dtype: torch.dtype, seed: int = 0):
+                 block_size: int, max_len: int, dtype: torch.dtype, seed: int = 0,
+                 lens: list[int] | None = None):
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
-    lens[0] = max_len  # one full-length row; others ragged, some shorter than a block
+    if lens is None:
+        lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+        lens[0] = max_len  # one full-length row; others ragged, some shorter than a block
+    else:
+        lens = torch.tensor(lens)
     max_blocks = -(-max_len // block_size)
     num_blocks = num_seqs * max_blocks + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -26,16 +37,35 @@ def _random_case(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: 
     return q, k_cache, v_cache, tables.contiguous(), lens
 
 
-def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale):
-    """Plain softmax attention per sequence over its gathered context, in float64."""
+def _dense_float64(q, k, v, positions, scale, *, sinks=None, sliding_window=None):
+    """Softmax attention in float64 of the query rows q ``[L_q, H, D]`` at ``positions`` over
+    the keys and values k, v ``[L_k, H_kv, D]`` at positions ``0 .. L_k - 1``: causal, within
+    ``sliding_window`` (a row at p sees keys in ``(p - W, p]``), and with ``sinks`` ``[H]`` a
+    logit per head in every softmax's denominator (its column dropped after the softmax)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,thd->hqt", q.double(), k) * scale
+    keys = torch.arange(k.shape[0])
+    visible = keys[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        visible &= keys[None, :] > positions[:, None] - sliding_window
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = scores.softmax(-1)[..., : k.shape[0]]
+    return torch.einsum("hqt,thd->qhd", probs, v)
+
+
+def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale, **options):
+    """Decode attention per sequence over its gathered context, in float64 (``options``: sinks
+    and sliding_window of :func:`_dense_float64`)."""
     out = []
-    group = q.shape[1] // k_cache.shape[2]
     for i in range(q.shape[0]):
         n = int(lens[i])
-        k = gather_kv(k_cache, tables[i], n).double().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, tables[i], n).double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
-        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+        k, v = gather_kv(k_cache, tables[i], n), gather_kv(v_cache, tables[i], n)
+        out.append(_dense_float64(q[i:i + 1], k, v, torch.tensor([n - 1]), scale, **options)[0])
     return torch.stack(out)
 
 
@@ -151,20 +181,14 @@ def _prefill_case(*, lens: list[tuple[int, int]], num_heads: int, num_kv_heads: 
             torch.tensor(starts))
 
 
-def _prefill_reference(q, k_cache, v_cache, tables, lens, starts, scale):
-    """Causal softmax attention per sequence over its gathered context, float64; None for rows
-    of no sequence."""
+def _prefill_reference(q, k_cache, v_cache, tables, lens, starts, scale, **options):
+    """Causal softmax attention per sequence over its gathered context, float64 (``options`` as
+    :func:`_per_sequence_reference`); None for rows of no sequence."""
     out = [None] * q.shape[0]
-    group = q.shape[1] // k_cache.shape[2]
     for i in range(len(lens)):
         ctx, a, b = int(lens[i]), int(starts[i]), int(starts[i + 1])
-        k = gather_kv(k_cache, tables[i], ctx).double().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, tables[i], ctx).double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,thd->hqt", q[a:b].double(), k) * scale
-        positions = torch.arange(ctx - (b - a), ctx)
-        scores.masked_fill_(torch.arange(ctx)[None, None, :] > positions[None, :, None],
-                            float("-inf"))
-        rows = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v)
+        k, v = gather_kv(k_cache, tables[i], ctx), gather_kv(v_cache, tables[i], ctx)
+        rows = _dense_float64(q[a:b], k, v, torch.arange(ctx - (b - a), ctx), scale, **options)
         for j in range(b - a):
             out[a + j] = rows[j]
     return out
@@ -210,3 +234,120 @@ def test_prefill_kernel_rejects_rows_past_the_context(ops):
     with pytest.raises(RuntimeError, match="at most the context"):
         ops.paged_prefill_attention_(torch.empty_like(q), q, kc, vc, tables, lens - 1, starts,
                                      0.125)
+
+
+# gpt-oss's options: sinks (random, large enough to matter) and a window of WINDOW tokens, which
+# straddles the 16-token blocks. Decode contexts around it: shorter than the window, one short
+# of it, exactly it, one past it, a block past it, several blocks past it (the window starting
+# mid-block); a window of 1 (each token sees itself only, plus the sink).
+WINDOW = 20
+DECODE_LENS_AROUND_WINDOW = [1, 7, 19, 20, 21, 36, 83]
+# (context_len, query_len) for prefill: a fresh prompt longer than the window (its later tiles
+# start past the first blocks), a chunk whose window starts in the cached earlier chunk, a short
+# chunk far past the window, a prompt shorter than the window, a decode-like one-token chunk.
+PREFILL_LENS_AROUND_WINDOW = [(45, 45), (50, 20), (83, 3), (12, 12), (21, 1)]
+
+
+def _sinks(num_heads: int) -> torch.Tensor:
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(7)) * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("sliding_window", [WINDOW, 1, None])
+@pytest.mark.parametrize("threads", [1, 4])  # 4 with 7 sequences: whole contexts; see below
+def test_kernel_with_sinks_and_window_matches_float64_reference(ops, dtype, head_dim,
+                                                                 sliding_window, threads):
+    """Decode with sinks (and a window) against float64 dense attention, contexts straddling the
+    window, shuffled block tables; the tolerances of the plain kernel (TOLERANCE)."""
+    q, kc, vc, tables, lens = _random_case(num_seqs=7, num_heads=9, num_kv_heads=3,
+                                           head_dim=head_dim, block_size=16, max_len=83,
+                                           dtype=dtype, lens=DECODE_LENS_AROUND_WINDOW)
+    sinks = _sinks(9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks, sliding_window)
+    finally:
+        torch.set_num_threads(before)
+    ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
+                                  sliding_window=sliding_window)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    plain = _per_sequence_reference(q, kc, vc, tables, lens, 0.125)
+    assert (ref - plain).abs().max() > 1e-2  # the options changed the result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_kernel_split_contexts_with_sinks_and_window(ops, dtype, num_seqs):
+    """Fewer sequences than threads: a context split in chunks of whole blocks from its window's
+    first block (chunks before the window are empty), merged with the sink."""
+    lens = [83, 1, 37][:num_seqs]
+    q, kc, vc, tables, lens = _random_case(num_seqs=num_seqs, num_heads=9, num_kv_heads=3,
+                                           head_dim=64, block_size=8, max_len=83, dtype=dtype,
+                                           lens=lens)
+    sinks = _sinks(9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks, WINDOW)
+    finally:
+        torch.set_num_threads(before)
+    ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
+                                  sliding_window=WINDOW)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("sliding_window", [WINDOW, 1, None])
+def test_prefill_kernel_with_sinks_and_window_matches_float64_reference(
+        ops, dtype, head_dim, block_size, sliding_window):
+    q, kc, vc, tables, lens, starts = _prefill_case(
+        lens=PREFILL_LENS_AROUND_WINDOW, num_heads=9, num_kv_heads=3, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, first_row=2)
+    sinks = _sinks(9)
+    out = torch.full_like(q, 7.0)
+    ops.paged_prefill_attention_(out, q, kc, vc, tables, lens, starts, head_dim ** -0.5, sinks,
+                                 sliding_window)
+    ref = _prefill_reference(q, kc, vc, tables, lens, starts, head_dim ** -0.5, sinks=sinks,
+                             sliding_window=sliding_window)
+    assert (out[:2] == 7.0).all()
+    torch.testing.assert_close(out[2:].double(), torch.stack(ref[2:]), **TOLERANCE[dtype])
+
+
+def test_attention_entry_points_run_the_kernels_with_sinks_and_window(ops):
+    """decode_attention and prefill_attention give the kernels' bits with the gpt-oss options
+    (no torch fallback for them)."""
+    q, kc, vc, tables, lens = _random_case(num_seqs=3, num_heads=9, num_kv_heads=3, head_dim=64,
+                                           block_size=16, max_len=40, dtype=torch.bfloat16)
+    sinks = _sinks(9).bfloat16()  # the layer's parameter in the run dtype
+    out = decode_attention(q, kc, vc, tables, lens, scale=0.125, sinks=sinks,
+                           sliding_window=WINDOW)
+    assert torch.equal(out, ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks,
+                                                       WINDOW))
+    q, kc, vc, tables, lens, starts = _prefill_case(
+        lens=PREFILL_LENS_AROUND_WINDOW, num_heads=9, num_kv_heads=3, head_dim=64,
+        block_size=16, dtype=torch.float32, first_row=0)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
+                             query_start_loc=starts.tolist(), context_lens=lens.tolist(),
+                             block_tables=tables, num_decodes=0, context_lens_tensor=lens)
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    prefill_attention(q, None, None, kc, vc, meta, scale=0.125, out=out, sinks=sinks,
+                      sliding_window=WINDOW)
+    ops.paged_prefill_attention_(expected, q, kc, vc, tables, lens, starts, 0.125, sinks, WINDOW)
+    assert torch.equal(out, expected)
+
+
+def test_kernels_reject_bad_options(ops):
+    q, kc, vc, tables, lens = _random_case(num_seqs=2, num_heads=9, num_kv_heads=3, head_dim=64,
+                                           block_size=16, max_len=20, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"one logit per query head, \[9\]"):
+        ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, torch.zeros(3), None)
+    with pytest.raises(RuntimeError, match="sliding_window must be a positive"):
+        ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, None, 0)
+    starts = torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError, match="sliding_window must be a positive"):
+        ops.paged_prefill_attention_(torch.empty_like(q), q, kc, vc, tables, lens, starts, 0.125,
+                                     None, -3)

@@ -168,4 +168,6 @@ def test_attention_layer_matches_transformers(layer_type):
                              context_lens=[20], block_tables=torch.tensor([[0, 1, 2]]),
                              num_decodes=0, context_lens_tensor=torch.tensor([20]))
     out = ours(x[0], torch.cat([cos[0], cos[0]], -1), torch.cat([sin[0], sin[0]], -1), meta)
-    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    # Outputs reach ~30 with these weights: transformers' float32 result is itself ~4e-5 from its
+    # float64 one, and the compiled kernels sum in another order (they are ~2e-5 from it).
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-4)
