@@ -151,6 +151,77 @@ def tiny_prompts(num: int = 6) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 60))] for _ in range(num)]
 
 
+def one_rank_and_transformers(folder, hf_model) -> tuple:
+    """The DP tests' references for the model in ``folder`` (``hf_model`` its transformers
+    twin): (:func:`tiny_prompts`, their greedy on one rank, their greedy in transformers)."""
+    from tests.utils import hf_greedy
+
+    prompts = tiny_prompts()
+    return prompts, one_rank_greedy(folder, prompts), hf_greedy(hf_model, prompts,
+                                                                 PARAMS.max_tokens)
+
+
+#: greedy parameters of the one-rank engine parity checks (:func:`check_engine_parity`)
+ENGINE_PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
+
+
+def engine_parity_prompts() -> list[list[int]]:
+    """Six prompts of 5-59 and 43-57 tokens, the last two sharing a 40-token prefix (prefix-cache
+    hits across prompts)."""
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 512) for _ in range(40)]
+    return ([[rng.randrange(3, 512) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
+            + [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 17)])
+
+
+def parity_engine(folder) -> LLM:
+    """An engine on the model in ``folder`` whose options make every case of
+    :func:`check_engine_parity` happen: a 16-token budget (chunked prefill) and 12 blocks of 8
+    tokens for batches of prompts up to 57 + 12 tokens (preemption). Use it as a context
+    manager."""
+    return LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=12,
+               block_size=8, max_num_batched_tokens=16, max_model_len=128, num_threads=1)
+
+
+def check_engine_parity(engine: LLM, hf_model, prompts: list[list[int]]) -> None:
+    """The engine's greedy tokens and top-5 logprobs on ``prompts`` equal transformers'
+    (tie-aware), run twice (the second time from the prefix cache); preemptions and prefix hits
+    happened and every block came back."""
+    from tests.utils import check_greedy_close, hf_greedy, ours_greedy
+
+    reference = hf_greedy(hf_model, prompts, ENGINE_PARAMS.max_tokens)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    first = ours_greedy(engine.generate(requests, ENGINE_PARAMS))
+    again = ours_greedy(engine.generate(requests, ENGINE_PARAMS))  # prompts cached: prefix hits
+    stats = engine.get_stats()
+    name = hf_model.config.model_type
+    for label, ours in (("first", first), ("again", again)):
+        check_greedy_close(ours, reference, name=f"tiny {name}, {label}")
+        assert_logprobs_close(ours, reference)
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def check_ngram_speculation(engine: LLM, folder, prompts: list[list[int]], *,
+                            max_tokens: int) -> None:
+    """n-gram speculative decoding (3 tokens) on the model in ``folder`` gives the greedy tokens
+    of ``engine`` (the same model, plain) on ``prompts``, and accepts some drafts (prompts whose
+    continuations repeat: a random model rarely repeats itself)."""
+    from tests.utils import check_greedy_close, ours_greedy
+
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+    plain = ours_greedy(engine.generate(requests, params))
+    with LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+             max_model_len=128, num_threads=1, speculative_method="ngram",
+             num_speculative_tokens=3) as llm:
+        spec = ours_greedy(llm.generate(requests, params))
+        stats = llm.get_stats()
+    check_greedy_close(spec, plain, name=f"tiny {folder.name}, n-gram speculation")
+    assert stats["spec_num_accepted_tokens"] > 0
+
+
 def assert_logprobs_close(ours: list[GreedyResult], ref: list[GreedyResult]) -> None:
     """Each greedy token both sides agree on has the same logprob within LOGPROB_TOLERANCE."""
     for a, b in zip(ours, ref):

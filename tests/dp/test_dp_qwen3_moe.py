@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moe_utils import (PARAMS, build_tiny_qwen3, one_rank_greedy, run_on_two_ep_ranks,
-                             tiny_prompts)
-from tests.utils import check_greedy_close, hf_greedy
+from tests.moe_utils import build_tiny_qwen3, one_rank_and_transformers, run_on_two_ep_ranks
+from tests.utils import check_greedy_close
 
 
 @pytest.fixture(scope="module")
 def folder_and_references(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-moe")
-    model = build_tiny_qwen3(folder)
-    prompts = tiny_prompts()
-    return (folder, prompts, one_rank_greedy(folder, prompts),
-            hf_greedy(model, prompts, PARAMS.max_tokens))
+    return (folder, *one_rank_and_transformers(folder, build_tiny_qwen3(folder)))
 
 
 def test_experts_over_two_ranks_with_tbo_match_one_rank(folder_and_references):

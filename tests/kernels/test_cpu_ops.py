@@ -3,6 +3,8 @@ paths (CPU), plain and with gpt-oss's sinks and sliding window."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -56,6 +58,17 @@ def _dense_float64(q, k, v, positions, scale, *, sinks=None, sliding_window=None
         scores = torch.cat([scores, sink], dim=-1)
     probs = scores.softmax(-1)[..., : k.shape[0]]
     return torch.einsum("hqt,thd->qhd", probs, v)
+
+
+@contextlib.contextmanager
+def _num_threads(n: int):
+    """torch's intra-op threads (the kernels' at::parallel_for) set to n inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale, **options):
@@ -115,12 +128,8 @@ def test_kernel_splits_contexts_when_sequences_are_fewer_than_threads(ops, dtype
                                            dtype=dtype, seed=num_seqs)
     if num_seqs == 3:
         lens[1] = 1
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    with _num_threads(4):
         out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
-    finally:
-        torch.set_num_threads(before)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
@@ -264,12 +273,8 @@ def test_kernel_with_sinks_and_window_matches_float64_reference(ops, dtype, head
                                            head_dim=head_dim, block_size=16, max_len=83,
                                            dtype=dtype, lens=DECODE_LENS_AROUND_WINDOW)
     sinks = _sinks(9)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _num_threads(threads):
         out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks, sliding_window)
-    finally:
-        torch.set_num_threads(before)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
                                   sliding_window=sliding_window)
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
@@ -287,12 +292,8 @@ def test_kernel_split_contexts_with_sinks_and_window(ops, dtype, num_seqs):
                                            head_dim=64, block_size=8, max_len=83, dtype=dtype,
                                            lens=lens)
     sinks = _sinks(9)
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    with _num_threads(4):
         out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks, WINDOW)
-    finally:
-        torch.set_num_threads(before)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
                                   sliding_window=WINDOW)
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])

@@ -28,7 +28,6 @@ import shutil
 import pytest
 import torch
 
-from atom import LLM, SamplingParams
 from atom.config import EngineConfig
 from atom.engine.preflight import check_model_files
 from atom.kv_cache_spec import KVCacheSpec, describe_layers
@@ -40,12 +39,10 @@ from atom.worker.model_runner import ModelRunner
 from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, CountingCheckpoint,
                                         check_chunked_mixed_batch, check_prefill_then_decode,
                                         random_tokens)
-from tests.moe_utils import (assert_logprobs_close, build_tiny_gpt_oss, quantize_mxfp4,
+from tests.moe_utils import (build_tiny_gpt_oss, check_engine_parity, check_ngram_speculation,
+                             engine_parity_prompts, parity_engine, quantize_mxfp4,
                              save_mxfp4_layout)
-from tests.utils import check_greedy_close, hf_greedy, ours_greedy
 
-MAX_NEW_TOKENS = 12
-PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5, ignore_eos=True)
 WINDOWS = [8, None, 8]
 
 
@@ -94,53 +91,24 @@ def test_kv_cache_specs_name_each_layers_window(family):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    rng = random.Random(3)
-    shared = [rng.randrange(3, 512) for _ in range(40)]  # prefix-cache hits across prompts
-    return ([[rng.randrange(3, 512) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
-            + [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 17)])
-
-
-@pytest.fixture(scope="module")
 def engine(family):
-    """A 16-token budget (chunked prefill) and 12 blocks of 8 tokens for batches of prompts up
-    to 57 + 12 tokens (preemption)."""
-    with LLM(str(family[0]), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=12,
-             block_size=8, max_num_batched_tokens=16, max_model_len=128, num_threads=1) as llm:
+    """tests/moe_utils.py parity_engine: chunked prefill, preemption."""
+    with parity_engine(family[0]) as llm:
         yield llm
 
 
-def test_engine_greedy_matches_transformers(family, engine, prompts):
-    hf_model = family[1]
+def test_engine_greedy_matches_transformers(family, engine):
+    prompts = engine_parity_prompts()
     assert min(map(len, prompts)) > 8 and max(map(len, prompts)) > 32  # window, YaRN's context
-    reference = hf_greedy(hf_model, prompts, MAX_NEW_TOKENS)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    first = ours_greedy(engine.generate(requests, PARAMS))
-    again = ours_greedy(engine.generate(requests, PARAMS))  # prompts cached: prefix hits
-    stats = engine.get_stats()
-    for label, ours in (("first", first), ("again", again)):
-        check_greedy_close(ours, reference, name=f"tiny gpt-oss, {label}")
-        assert_logprobs_close(ours, reference)
-    assert stats["num_preemptions"] > 0
-    assert stats["prefix_cache_hits"] > 0
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    check_engine_parity(engine, family[1], prompts)
 
 
 def test_ngram_speculative_decoding_keeps_the_greedy_tokens(family, engine):
     # repeated motifs whose greedy continuations repeat tokens too (found by trying seeds: a
     # random model rarely repeats itself, and only repeats get drafts accepted)
     rngs = [random.Random(seed) for seed in (1, 3)]
-    requests = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(6)] * 5}
-                for rng in rngs]
-    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=5, ignore_eos=True)
-    plain = ours_greedy(engine.generate(requests, params))
-    with LLM(str(family[0]), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
-             max_model_len=128, num_threads=1, speculative_method="ngram",
-             num_speculative_tokens=3) as llm:
-        spec = ours_greedy(llm.generate(requests, params))
-        stats = llm.get_stats()
-    check_greedy_close(spec, plain, name="tiny gpt-oss, n-gram speculation")
-    assert stats["spec_num_accepted_tokens"] > 0
+    prompts = [[rng.randrange(3, 512) for _ in range(6)] * 5 for rng in rngs]
+    check_ngram_speculation(engine, family[0], prompts, max_tokens=40)
 
 
 # ----- MXFP4 -----
