@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -37,5 +38,10 @@ struct AttentionOptions {
     return sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr;
   }
 };
+
+// The first key position a query at position pos sees under sliding_window (0 = no window).
+inline int64_t first_visible_key(int64_t pos, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+}
 
 }  // namespace atom_kernels

@@ -210,7 +210,7 @@ void decode_kernel(T* out, const Problem<T>& P, int64_t num_seqs) {
       const int64_t h_begin = rest / chunks * heads_per_item, c = rest % chunks;
       // the visible keys [lo, len), split in chunks of whole blocks from lo's block on
       const int64_t len = P.context_lens[s], bs = P.block_size;
-      const int64_t lo = P.sliding_window > 0 ? std::max<int64_t>(0, len - P.sliding_window) : 0;
+      const int64_t lo = first_visible_key(len - 1, P.sliding_window);
       const int64_t num_blocks = (len + bs - 1) / bs - lo / bs;
       const int64_t per_chunk = (num_blocks + chunks - 1) / chunks;
       const int64_t t_begin = std::min(len, std::max(lo, (lo / bs + c * per_chunk) * bs));

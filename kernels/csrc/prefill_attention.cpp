@@ -1,8 +1,9 @@
 // Prefill attention straight from the paged KV cache (CPU), for atom.kernels.attention: every
 // new token of a sequence attends causally to its sequence's KV up to its own position (earlier
 // prefill chunks and prefix-cached blocks included; with a sliding window W only its last W
-// positions), read block by block through the block table; the step's new K/V are in the cache already. One call covers all the prefill sequences
-// of a step, so no context is gathered and no per-sequence SDPA is dispatched.
+// positions), read block by block through the block table; the step's new K/V are in the cache
+// already. One call covers all the prefill sequences of a step, so no context is gathered and no
+// per-sequence SDPA is dispatched.
 //
 // Work items are (sequence, KV head, tile of up to 16 consecutive new tokens), run with
 // at::parallel_for. An item's rows are its tokens x the G = H / H_kv query heads of its KV head;
@@ -11,8 +12,9 @@
 // online softmax of FlashAttention, Dao et al. 2022, arXiv:2205.14135): for each block, scores
 // by the tiles of attention_tiles.h, keys outside a row's range dropped (past its position: the
 // causal mask, only in the tile's last blocks; before its window: only in its first ones), o and
-// l rescaled by exp(m_old - m_new), then o += p v; a head's sink logit joins l at the end. Everything accumulates in float32 (p too, where torch's
-// flash attention rounds p to bf16 for its bf16 GEMM); the output is rounded to q's dtype once.
+// l rescaled by exp(m_old - m_new), then o += p v; a head's sink logit joins l at the end.
+// Everything accumulates in float32 (p too, where torch's flash attention rounds p to bf16 for
+// its bf16 GEMM); the output is rounded to q's dtype once.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -71,12 +73,6 @@ struct TileScratch {
   std::vector<float> m, l;
   std::vector<T> pad;     // [16, D] a partial tile of K, zero-padded
 };
-
-// The first key a query at position pos sees.
-template <typename T>
-inline int64_t first_key(const Prefill<T>& P, int64_t pos) {
-  return P.sliding_window > 0 ? std::max<int64_t>(0, pos - P.sliding_window + 1) : 0;
-}
 
 // Row r of a tile is token first + r / G and query head h * G + r % G.
 template <typename T>
@@ -167,7 +163,7 @@ inline float exp_row(float* s, int64_t n, int64_t lo, int64_t hi, float m_old, f
 }
 
 // Online softmax over n keys starting at position t0 (within one block): row r (position
-// p = pos0 + r / G) keeps the keys t0 + i in [first_key(p), p]; its scores become
+// p = pos0 + r / G) keeps the keys t0 + i in [first_visible_key(p), p]; its scores become
 // probabilities (0 for dropped keys), its o and l are rescaled to the new running max.
 template <typename T>
 void softmax_block(const Prefill<T>& P, int64_t t0, int64_t n, int64_t pos0, int64_t rows,
@@ -176,7 +172,7 @@ void softmax_block(const Prefill<T>& P, int64_t t0, int64_t n, int64_t pos0, int
   for (int64_t r = 0; r < rows; ++r) {
     float* s = w.s.data() + r * bs;
     const int64_t pos = pos0 + r / G;
-    const int64_t lo = std::max<int64_t>(0, first_key(P, pos) - t0);
+    const int64_t lo = std::max<int64_t>(0, first_visible_key(pos, P.sliding_window) - t0);
     const int64_t hi = std::min(n, pos - t0 + 1);
     if (hi <= lo) {  // every key here is after this row's token or before its window
       std::fill(s, s + n, 0.f);
@@ -200,10 +196,10 @@ void attend_tile(const Prefill<T>& P, Path path, const Tile& tile, TileScratch<T
   const int64_t rows = tile.num * P.group, D = P.head_dim;
   const int64_t query_len = P.query_start_loc[tile.s + 1] - P.query_start_loc[tile.s];
   const int64_t pos0 = P.context_lens[tile.s] - query_len + tile.first;  // the first row's token
-  const int64_t end = pos0 + tile.num;  // keys [first_key(pos0), end): up to the last row's token
+  const int64_t end = pos0 + tile.num;  // up to the last row's token
   const int64_t* table = P.block_tables + tile.s * P.table_stride;
   const int64_t bs = P.block_size;
-  for (int64_t t0 = first_key(P, pos0); t0 < end; t0 += bs - t0 % bs) {
+  for (int64_t t0 = first_visible_key(pos0, P.sliding_window); t0 < end; t0 += bs - t0 % bs) {
     const int64_t n = std::min(bs - t0 % bs, end - t0);  // to the end of t0's block
     const int64_t offset =
         table[t0 / bs] * P.block_stride + (t0 % bs) * P.token_stride + tile.h * D;
