@@ -19,15 +19,30 @@ its block table. One rule covers prefill, chunked prefill and decode (``query_le
 Tokens after the last sequence (``T > query_start_loc[-1]``) are padding: they write no KV
 (slot ``-1``) and their attention output is zero.
 
+Two per-layer options (gpt-oss; every path takes them):
+
+- ``sliding_window = W``: a query at position ``p`` sees only the keys at positions
+  ``(p - W, p]`` (Hugging Face's ``sliding_window_overlay``: ``kv_idx > q_idx - W``). The cache
+  keeps every token of the sequence (the block manager frees nothing early), so the window is
+  only a mask and chunked prefill, prefix-cache hits and preemption work across its boundary
+  unchanged; the full-attention layers, which share the block ids, see exactly what they would
+  without windowed layers beside them.
+- ``sinks``: float ``[H]``, one learned logit per query head added to the softmax's
+  denominator only (``softmax([scores, sink])`` with the sink's column dropped: the weights of
+  the real keys sum to less than 1; "attention sinks", Xiao et al. 2023, arXiv:2309.17453, in
+  gpt-oss's learned form).
+
 Sequences are ordered decodes first: the first ``num_decodes`` sequences have ``query_len == 1``
 and go through one batched call (:func:`decode_attention`: the compiled kernel of
 :mod:`atom.kernels.cpu_ops`, which reads the blocks in place, or, without it, the torch
-gather + masked SDPA of :func:`paged_decode_attention`); the others go through the per-sequence
-reference (:func:`paged_prefill_attention_reference`).
+gather + masked SDPA of :func:`paged_decode_attention`); the others through one more
+(:func:`prefill_attention`: the compiled prefill kernel, which reads the blocks in place too, or
+the per-sequence reference :func:`paged_prefill_attention_reference`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +82,13 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+    @functools.cached_property
+    def query_start_loc_tensor(self) -> torch.Tensor:
+        """int64 ``[S + 1]``, ``query_start_loc`` on the device (made once per step, on first
+        use: every layer's prefill attention reads it)."""
+        return torch.tensor(self.query_start_loc, dtype=torch.int64,
+                            device=self.slot_mapping.device)
 
     @classmethod
     def empty(cls, num_tokens: int = 0, device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -133,16 +155,60 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.flatten(0, 1)[:context_len]
 
 
-def _sdpa_causal_offset(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
-) -> torch.Tensor:
+def causal_window_mask(len_q: int, len_k: int, *, sliding_window: int | None,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool ``[L_q, L_k]``: which keys each of ``L_q`` queries sees when the queries are the
+    *last* ``L_q`` of ``L_k`` positions (bottom-right causal), within ``sliding_window``."""
+    q_pos = torch.arange(len_k - len_q, len_k, device=device)[:, None]
+    k_pos = torch.arange(len_k, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                     scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention written out (float32 math), with optional sinks: the torch reference of the
+    sink and sliding-window paths (the same steps as Hugging Face's gpt-oss eager attention).
+
+    Args:
+        q: ``[B, H_kv, G, L_q, D]`` (the ``G = H / H_kv`` query heads of each KV head grouped).
+        k, v: ``[B, H_kv, L_k, D]``.
+        mask: bool, broadcastable to ``[B, H_kv, G, L_q, L_k]``; True = visible. Every query
+            must see at least one key.
+        sinks: ``[H]`` (head ``h = kv_head * G + g``), or None.
+    Returns:
+        ``[B, H_kv, G, L_q, D]`` in q's dtype.
+    """
+    scores = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, *q.shape[1:3], 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float().unsqueeze(2)).to(q.dtype)
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                  sinks: torch.Tensor | None = None,
+                  sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of ``L_q`` queries that are the *last* ``L_q`` of ``L_k`` positions.
 
     q: ``[L_q, H, D]``; k, v: ``[L_k, H_kv, D]`` with ``H % H_kv == 0`` (GQA). Returns
-    ``[L_q, H, D]``. SDPA's ``is_causal`` aligns the mask top-left, which is only right when
-    ``L_q == L_k``; otherwise query ``j`` may see keys ``<= L_k - L_q + j`` (bottom-right).
+    ``[L_q, H, D]``. Without sinks or a window: SDPA (its ``is_causal`` aligns the mask
+    top-left, right only when ``L_q == L_k``; otherwise query ``j`` may see keys
+    ``<= L_k - L_q + j``, bottom-right); with either: :func:`masked_attention`.
     """
     len_q, len_k = q.shape[0], k.shape[0]
+    if sinks is not None or sliding_window is not None:
+        num_kv_heads = k.shape[1]
+        qg = q.view(len_q, num_kv_heads, -1, q.shape[-1]).permute(1, 2, 0, 3).unsqueeze(0)
+        mask = causal_window_mask(len_q, len_k, sliding_window=sliding_window, device=q.device)
+        out = masked_attention(qg, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                               mask, scale=scale, sinks=sinks)
+        return out.squeeze(0).permute(2, 0, 1, 3).reshape(q.shape)
     # A leading batch dim of 1: with 3-D inputs the CPU SDPA takes its math path, with 4-D the
     # flash kernel (5x faster at 1k tokens).
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -150,8 +216,7 @@ def _sdpa_causal_offset(
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                              enable_gqa=True)
     else:
-        q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
-        mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos[:, None]  # [L_q, L_k]
+        mask = causal_window_mask(len_q, len_k, sliding_window=None, device=q.device)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
@@ -160,7 +225,7 @@ def _sdpa_causal_offset(
 def paged_prefill_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float, seq_range: range,
-    out: torch.Tensor,
+    out: torch.Tensor, sinks: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> None:
     """Reference attention, one sequence at a time (any query lengths), into ``out``.
 
@@ -171,6 +236,7 @@ def paged_prefill_attention_reference(
         k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``.
         seq_range: which sequences of ``meta`` to compute.
         out: ``[T, H, D]``, written at the tokens of the sequences in ``seq_range``.
+        sinks, sliding_window: the layer's options (module docstring); None = off.
     """
     for i in seq_range:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -180,18 +246,21 @@ def paged_prefill_attention_reference(
         else:
             ks = gather_kv(k_cache, meta.block_tables[i], context_len)
             vs = gather_kv(v_cache, meta.block_tables[i], context_len)
-        out[start:end] = _sdpa_causal_offset(q[start:end], ks, vs, scale=scale)
+        out[start:end] = attend_causal(q[start:end], ks, vs, scale=scale, sinks=sinks,
+                                       sliding_window=sliding_window)
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, *, scale: float,
+    context_lens: torch.Tensor, *, scale: float, sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Batched attention for ``S`` sequences with one new token each (decode).
 
     Gathers every sequence's blocks padded to the longest context, masks keys at or beyond each
-    ``context_len`` and runs one SDPA. GQA is done by grouping query heads per KV head
-    (``[S, H_kv, G, D]``) instead of repeating K/V, so the gathered K/V are read once.
+    ``context_len`` (and, with a window, before ``context_len - sliding_window``) and runs one
+    SDPA (:func:`masked_attention` with sinks or a window). GQA is done by grouping query heads
+    per KV head (``[S, H_kv, G, D]``) instead of repeating K/V, so the gathered K/V are read once.
 
     Args:
         q: ``[S, H, D]`` run dtype (the token at position ``context_len - 1``).
@@ -199,6 +268,7 @@ def paged_decode_attention(
         block_tables: int64 ``[S, >= max_num_blocks]``; columns past the longest context are
             ignored.
         context_lens: int64 ``[S]``, each ``>= 1``.
+        sinks, sliding_window: the layer's options (module docstring); None = off.
     Returns:
         ``[S, H, D]``, run dtype.
     """
@@ -216,35 +286,82 @@ def paged_decode_attention(
     # [S * nb, bs, Hkv, D] -> [S, L, Hkv, D] -> [S, Hkv, L, D]
     ks = k_cache.index_select(0, table).view(gathered_shape)[:, :max_context_len].transpose(1, 2)
     vs = v_cache.index_select(0, table).view(gathered_shape)[:, :max_context_len].transpose(1, 2)
-    valid = torch.arange(max_context_len, device=q.device)[None, :] < context_lens[:, None]
-    mask = valid[:, None, None, :]  # [S, 1, 1, L], broadcast over KV heads and the group
+    key_pos = torch.arange(max_context_len, device=q.device)[None, :]
+    valid = key_pos < context_lens[:, None]
+    if sliding_window is not None:
+        valid &= key_pos >= context_lens[:, None] - sliding_window
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scale)
+    if sinks is not None or sliding_window is not None:
+        out = masked_attention(qg.unsqueeze(3), ks, vs, valid[:, None, None, None, :],
+                               scale=scale, sinks=sinks)
+    else:
+        mask = valid[:, None, None, :]  # [S, 1, 1, L], broadcast over KV heads and the group
+        out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, *, scale: float,
+    context_lens: torch.Tensor, *, scale: float, sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Batched decode attention: the compiled CPU kernel when it is built, else the torch path.
 
     The kernel (``kernels/csrc/paged_attention.cpp``) walks each sequence's block table and reads
-    K/V in place, so no context is copied; :func:`paged_decode_attention` gathers whole contexts
-    and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
-    Arguments and result as :func:`paged_decode_attention` (float32 or bfloat16; rows of
-    ``block_tables`` contiguous; each ``context_len >= 1``).
+    K/V in place, so no context is copied (bfloat16 K/V are read as bf16 and accumulated in
+    float32; q may be a strided view of the fused qkv; sinks and the window too: a windowed
+    sequence's blocks before its window are not read); :func:`paged_decode_attention` gathers
+    whole contexts and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a
+    non-CPU device). Arguments and result as :func:`paged_decode_attention` (float32 or
+    bfloat16; each ``context_len >= 1``).
     """
     ops = cpu_ops.load() if q.device.type == "cpu" else None
     if ops is None:
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
-    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                      scale).to(q.dtype)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
+                                      sinks=sinks, sliding_window=sliding_window)
+    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      sinks, sliding_window)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float, out: torch.Tensor,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+) -> None:
+    """Causal attention of the prefill sequences of ``meta`` (those after its decodes) into
+    ``out``: the compiled kernel when it is built, else the per-sequence reference.
+
+    The kernel (``kernels/csrc/prefill_attention.cpp``) runs every prefill sequence of the step
+    in one call and reads K/V from the cache through the block tables (new tokens, earlier
+    chunks and prefix-cached blocks alike: no gathered copy, no SDPA per sequence; with a window,
+    only the blocks from each tile's window start on); the
+    reference (:func:`paged_prefill_attention_reference`) is the fallback (no compiler,
+    ``ATOM_DISABLE_CPP_KERNELS=1``, or a non-CPU device).
+
+    Args:
+        q: ``[T, H, D]`` (may be a strided view of the fused qkv); k, v: ``[T, H_kv, D]``, the
+            new tokens' keys/values, already written to the caches.
+        k_cache, v_cache: ``[num_blocks, block_size, H_kv, D]``, q's dtype.
+        out: ``[T, H, D]``, written at the prefill sequences' rows only.
+        sinks, sliding_window: the layer's options (module docstring); None = off.
+    """
+    ops = cpu_ops.load() if q.device.type == "cpu" else None
+    num_decodes = meta.num_decodes
+    if ops is None:
+        paged_prefill_attention_reference(q, k, v, k_cache, v_cache, meta, scale=scale,
+                                          seq_range=range(num_decodes, meta.num_seqs), out=out,
+                                          sinks=sinks, sliding_window=sliding_window)
+        return
+    ops.paged_prefill_attention_(out, q, k_cache, v_cache, meta.block_tables[num_decodes:],
+                                 meta.context_lens_tensor[num_decodes:],
+                                 meta.query_start_loc_tensor[num_decodes:], scale, sinks,
+                                 sliding_window)
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-    meta: AttentionMetadata, *, scale: float,
+    meta: AttentionMetadata, *, scale: float, sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write the new K/V to the paged cache, then attend (mixed prefill/decode batch).
 
@@ -253,6 +370,8 @@ def paged_attention(
         kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` (mutated: the new tokens' slots).
         meta: the step's :class:`AttentionMetadata` (decodes first).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sinks: float ``[H]``, one logit per query head in every softmax's denominator, or None.
+        sliding_window: each query sees its latest ``sliding_window`` positions only; None = all.
     Returns:
         ``[T, H, D]``; zero for padding tokens.
     """
@@ -260,27 +379,27 @@ def paged_attention(
     _write_step_kv(k_cache, v_cache, k, v, meta)
     num_decodes = meta.num_decodes
     assert meta.query_start_loc[num_decodes] == num_decodes, "decodes must come first"
+    options = dict(scale=scale, sinks=sinks, sliding_window=sliding_window)
     if num_decodes == q.shape[0] and num_decodes > 0:  # a pure decode step, no padding
         return decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                meta.context_lens_tensor, scale=scale)
-    out = torch.zeros_like(q)
+                                meta.context_lens_tensor, **options)
+    out = q.new_empty(q.shape)
+    out[meta.query_start_loc[-1]:].zero_()  # padding tokens
     if num_decodes > 0:
         # Decodes come first, so their tokens are q[:num_decodes].
         out[:num_decodes] = decode_attention(
             q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-            meta.context_lens_tensor[:num_decodes], scale=scale,
+            meta.context_lens_tensor[:num_decodes], **options,
         )
     if meta.num_seqs > num_decodes:
-        paged_prefill_attention_reference(
-            q, k, v, k_cache, v_cache, meta, scale=scale,
-            seq_range=range(num_decodes, meta.num_seqs), out=out,
-        )
+        prefill_attention(q, k, v, k_cache, v_cache, meta, out=out, **options)
     return out
 
 
 def paged_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-    meta: AttentionMetadata, *, scale: float,
+    meta: AttentionMetadata, *, scale: float, sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Like :func:`paged_attention` but every sequence (decodes too) goes through the per-sequence
     reference that gathers from the cache; the yardstick for the faster paths in tests."""
@@ -291,5 +410,6 @@ def paged_attention_reference(
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         ks = gather_kv(k_cache, meta.block_tables[i], meta.context_lens[i])
         vs = gather_kv(v_cache, meta.block_tables[i], meta.context_lens[i])
-        out[start:end] = _sdpa_causal_offset(q[start:end], ks, vs, scale=scale)
+        out[start:end] = attend_causal(q[start:end], ks, vs, scale=scale, sinks=sinks,
+                                       sliding_window=sliding_window)
     return out

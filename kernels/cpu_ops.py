@@ -35,8 +35,9 @@ from atom.kernels import build
 
 logger = logging.getLogger(__name__)
 
-OP_NAMES = ("paged_decode_attention", "paged_decode_attention_split", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-            "rotary_embedding_", "logsumexp_argmax", "gguf_linear",
+OP_NAMES = ("paged_decode_attention", "paged_prefill_attention_", "rms_norm",
+            "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_", "logsumexp_argmax",
+            "gguf_linear",
             "gguf_gemm_tiled", "gguf_gemm_tiled_is_simd", "llama_decode_layer_")
 
 

@@ -3,11 +3,15 @@ in), SiLU-and-mul, and the rotary embedding applied in place to a fused qkv tens
 sampler's row-wise logsumexp + argmax.
 
 Each function runs the compiled CPU kernel (``kernels/csrc/fused_ops.cpp`` through
-:mod:`atom.kernels.cpu_ops`) for float32 CPU tensors when it is built, and otherwise the torch
-reference here, which computes exactly what Hugging Face's Llama does (RMSNorm in float32 and
-cast back, ``act(gate) * up``, ``x * cos + rotate_half(x) * sin``). One kernel call replaces a
-chain of 4-8 torch ops per layer; in a batch-64 decode step of SmolLM2-135M those chains were
-about a tenth of the step (docs/PERFORMANCE.md).
+:mod:`atom.kernels.cpu_ops`) for float32 and bfloat16 CPU tensors when it is built (the sampler's
+logsumexp + argmax for float32 logits), and otherwise the torch reference here, which computes
+exactly what Hugging Face's Llama does (RMSNorm in float32 and cast back, ``act(gate) * up``,
+``x * cos + rotate_half(x) * sin``). On bfloat16 the kernels compute in float32 and round once
+per output element, where the reference rounds after every op: they are as close or closer to
+the exact result (tests/kernels/test_fused.py checks both against float64). One kernel call
+replaces a chain of 4-8 torch ops per layer; in a batch-64 decode step of SmolLM2-135M those
+chains were about a tenth of the step in float32 (docs/PERFORMANCE.md), and about 15% of a
+bfloat16 W1 before the kernels took bfloat16 (issue 37).
 
 Imports torch only.
 """
@@ -20,9 +24,9 @@ import torch.nn.functional as F
 from atom.kernels import cpu_ops
 
 
-def _kernels(x: torch.Tensor):
-    """The compiled ops when they apply to ``x`` (float32 on the CPU), else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+def _kernels(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)):
+    """The compiled ops when they apply to ``x`` (one of ``dtypes``, on the CPU), else None."""
+    if x.dtype not in dtypes or x.device.type != "cpu":
         return None
     return cpu_ops.load()
 
@@ -48,8 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         ``[T, N]``, a new tensor.
     """
     ops = _kernels(x)
-    if ops is not None and x.dim() == 2 and x.stride(-1) == 1 and (
-            residual is None or residual.stride(-1) == 1):
+    if ops is not None and x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == x.dtype and (
+            residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype)):
         if residual is None:
             return ops.rms_norm(x, weight, eps)
         return ops.fused_add_rms_norm(x, residual, weight, eps)
@@ -86,7 +90,7 @@ def rotary_embedding_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *
     """
     ops = _kernels(qkv)
     if (ops is not None and qkv.dim() == 2 and qkv.stride(-1) == 1 and cos.is_contiguous()
-            and sin.is_contiguous()):
+            and sin.is_contiguous() and cos.dtype == sin.dtype == qkv.dtype):
         ops.rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads)
         return
     head_dim = cos.shape[-1]
@@ -103,7 +107,7 @@ def logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(logsumexp [S] in logits' dtype, argmax int64 [S])``; ties give the first index, as
         ``torch.argmax`` does (rows are expected NaN-free).
     """
-    ops = _kernels(logits)
+    ops = _kernels(logits, (torch.float32,))
     if ops is not None and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0:
         return ops.logsumexp_argmax(logits)
     return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)

@@ -42,13 +42,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` with ``W`` packed by :func:`pack_weight`.
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with ``W`` packed by :func:`pack_weight`.
 
     Args:
         x: ``[..., in_features]`` in the weight's dtype (any row count, zero included).
+        bias: ``[out_features]`` in the same dtype, or None.
     Returns:
         ``[..., out_features]``, contiguous; equal to ``F.linear(x, W)`` up to float rounding
         (a different summation order).
     """
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")

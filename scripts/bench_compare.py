@@ -1,5 +1,10 @@
 """atom vs vLLM's CPU build (and, optionally, atom ``--quantization gguf`` and llama.cpp), side
-by side on identical prompt token ids (issues 7 and 20).
+by side on identical prompt token ids (issues 7, 20 and 37).
+
+atom and vLLM run in one dtype, ``--dtype`` (default ``auto``: what atom's ``dtype=auto`` picks
+on this CPU, bfloat16 where it has native bf16 matmuls and float32 elsewhere, resolved once here
+and given to both); the table and the ratio labels name it. atom ``--quantization gguf``
+computes in float32 whatever the run dtype.
 
 ``--quantization gguf`` adds the column ``atom-gguf``; ``--llamacpp-python PATH`` (a venv with
 ``llama-cpp-python``: the README's recipe) adds ``llamacpp``, llama.cpp on the embedded GGUF file
@@ -31,9 +36,12 @@ folder exported once from the embedded GGUF with transformers (cached under
 VLLM_CPU_NUM_OF_RESERVED_CPU=0`` so it computes on the same number of cores. This script
 installs nothing.
 
-    .venv/bin/python scripts/bench_compare.py --vllm-python /work/vllm-venv/bin/python
+    .venv/bin/python scripts/bench_compare.py --vllm-python /work/vllm-venv/bin/python --rounds 2
 
-Prints a table, ends with ``W1 output tok/s ratio vs vLLM: X.XX`` and writes
+A short check that everything runs (a few minutes, most of it vLLM's start-up):
+``--rounds 1 --repeats 1 --num-prompts 8 --max-tokens 16``.
+
+Prints a table, ends with ``W1 output tok/s ratio vs vLLM (<dtype>): X.XX`` and writes
 ``results/bench_compare.json``. Only the standard library is imported at module level: the
 vLLM worker runs this file in the vLLM venv, where atom is not installed.
 """
@@ -71,8 +79,11 @@ class _Engine:
         self.system = system
         if system in ("atom", "atom-gguf"):
             from atom import LLM, SamplingParams
-            self.llm = LLM(spec.get("model"), dtype=spec["dtype"], num_threads=spec["num_threads"],
-                           max_num_seqs=256, enable_prefix_caching=True,
+            # atom-gguf computes in float32 whatever the run dtype (its kernels take float32)
+            self.llm = LLM(spec.get("model"),
+                           dtype="float32" if system == "atom-gguf" else spec["dtype"],
+                           num_threads=spec["num_threads"], max_num_seqs=256,
+                           enable_prefix_caching=True,
                            quantization="gguf" if system == "atom-gguf" else None)
         elif system == "llamacpp":
             from llama_cpp import Llama
@@ -181,6 +192,14 @@ def _tree_peak_rss_bytes(pid: int) -> dict[str, int]:
 
 
 # ----- the driver (runs in atom's venv) -----
+
+def resolve_dtype(dtype: str) -> str:
+    """The concrete dtype of a run: ``auto`` resolved as atom's ``dtype=auto`` resolves it on
+    this CPU (:meth:`atom.config.EngineConfig.resolved_dtype`), once, for every system."""
+    from atom.config import EngineConfig
+
+    return EngineConfig(dtype=dtype).resolved_dtype()
+
 
 def build_spec(args: argparse.Namespace) -> dict:
     """Workloads from the dataset's token ids (identical for both systems)."""
@@ -299,18 +318,23 @@ def format_report(results: list[dict]) -> list[str]:
 
 
 #: The ratios the report ends with: (label, system a, system b, metric); a ratio > 1 means a
-#: is better (faster decode, more tokens per second).
+#: is better (faster decode, more tokens per second). ``{dtype}`` in a label is the run dtype
+#: (atom and vLLM ran in it; atom gguf always computes in float32).
 RATIOS = (("single decode ms/token, llama.cpp / atom gguf", "atom-gguf", "llamacpp", "decode"),
-          ("single decode ms/token, atom float32 / atom gguf", "atom-gguf", "atom", "decode"),
-          ("W1 output tok/s, atom gguf / atom float32", "atom-gguf", "atom", "w1"),
-          ("W1 output tok/s, atom float32 / vLLM", "atom", "vllm", "w1"),
+          ("single decode ms/token, atom {dtype} / atom gguf", "atom-gguf", "atom", "decode"),
+          ("W1 output tok/s, atom gguf / atom {dtype}", "atom-gguf", "atom", "w1"),
+          ("W1 output tok/s, atom {dtype} / vLLM {dtype}", "atom", "vllm", "w1"),
           ("W1 output tok/s, atom gguf / llama.cpp", "atom-gguf", "llamacpp", "w1"))
+#: The ratio ``bench_compare.json`` also stores as ``w1_ratio_vs_vllm``.
+W1_VS_VLLM = RATIOS[3][0]
 
 
-def ratios(results: dict[str, dict]) -> dict[str, float]:
-    """The :data:`RATIOS` whose two systems ran, from their (median) results."""
+def ratios(results: dict[str, dict], dtype: str) -> dict[str, float]:
+    """The :data:`RATIOS` whose two systems ran, from their (median) results, labelled with the
+    run dtype."""
     out = {}
-    for label, a, b, metric in RATIOS:
+    for template, a, b, metric in RATIOS:
+        label = template.format(dtype=dtype)
         if a in results and b in results:
             if metric == "decode":
                 out[label] = (results[b]["single"]["decode_ms_per_token"]
@@ -326,9 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", type=pathlib.Path, default=DEFAULT_DATASET)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128, help="W1 output tokens (128)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="run dtype of both systems (default float32: this AVX2 CPU has no "
-                             "native bf16 matmuls)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="run dtype of atom and vLLM; auto (the default) = what atom's "
+                             "dtype=auto picks on this CPU (bfloat16 with native bf16 matmuls, "
+                             "else float32), resolved once here and given to both")
     parser.add_argument("--num-threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=2,
                         help="time each workload this many times in a row, keep the fastest "
@@ -343,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                              "recipe): adds llama.cpp on the same GGUF file")
     parser.add_argument("--quantization", choices=("gguf",),
                         help="also run atom with --quantization gguf (column atom-gguf)")
-    parser.add_argument("--skip-atom", action="store_true", help="skip atom float32")
+    parser.add_argument("--skip-atom", action="store_true",
+                        help="skip atom on float weights (column atom)")
     parser.add_argument("--output-json", type=pathlib.Path,
                         default=pathlib.Path("results/bench_compare.json"))
     parser.add_argument("--worker", choices=("atom", "atom-gguf", "vllm", "llamacpp"),
@@ -356,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             json.loads(args.spec.read_text()))))
         return 0
 
+    requested_dtype, args.dtype = args.dtype, resolve_dtype(args.dtype)
     spec = build_spec(args)
     systems = ([] if args.skip_atom else [("atom", sys.executable)]) + (
         [("atom-gguf", sys.executable)] if args.quantization == "gguf" else []) + (
@@ -369,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_rounds(systems, spec, rounds=args.rounds, num_threads=args.num_threads)
     results = [median_result(runs[name]) for name, _ in systems]
     print(f"{cpu_description()}")
-    print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, {args.dtype}, "
+    print(f"dtype {args.dtype} for atom and vLLM"
+          + (" (--dtype auto: atom's default on this CPU)" if requested_dtype == "auto" else "")
+          + ("; atom gguf computes in float32" if args.quantization == "gguf" else ""))
+    print(f"{len(spec['workloads']['w1']['prompts'])} W1 prompts, "
           f"{args.num_threads} threads, greedy, ignore_eos; each workload the fastest of "
           f"{args.repeats} run(s); systems ran one after the other, "
           f"{args.rounds} round(s){', medians' if args.rounds > 1 else ''}"
@@ -377,21 +407,22 @@ def main(argv: list[str] | None = None) -> int:
              if args.llamacpp_python else ""))
     print("\n".join(format_report(results)))
     by_name = {r["system"]: r for r in results}
-    found = ratios(by_name)
-    round_ratios = {label: [ratios({n: runs[n][i] for n in runs})[label]
+    found = ratios(by_name, args.dtype)
+    round_ratios = {label: [ratios({n: runs[n][i] for n in runs}, args.dtype)[label]
                             for i in range(args.rounds)] for label in found}
     for label, value in found.items():
         per_round = (" (per round: " + ", ".join(f"{v:.2f}" for v in round_ratios[label]) + ")"
                      if args.rounds > 1 else "")
         print(f"{label}: {value:.2f}{per_round}")
-    ratio = found.get("W1 output tok/s, atom float32 / vLLM")
+    ratio = found.get(W1_VS_VLLM.format(dtype=args.dtype))
     write_json_report(args.output_json, {"cpu": cpu_description(), "dtype": args.dtype,
                                          "num_threads": args.num_threads, "rounds": args.rounds,
                                          "repeats": args.repeats,
                                          "results": results, "runs": runs, "ratios": found,
                                          "ratios_per_round": round_ratios,
                                          "w1_ratio_vs_vllm": ratio})
-    print(f"W1 output tok/s ratio vs vLLM: {'n/a (needs atom and --vllm-python)' if ratio is None else f'{ratio:.2f}'}")
+    print(f"W1 output tok/s ratio vs vLLM ({args.dtype}): "
+          f"{'n/a (needs atom and --vllm-python)' if ratio is None else f'{ratio:.2f}'}")
     return 0
 
 

@@ -29,6 +29,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 #: safetensors dtypes atom converts to its run dtype; anything else is a quantized or
 #: integer checkpoint the float loader would corrupt
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+#: per quant method a family dequantizes at load (:attr:`atom.models.ModelEntry.quant_methods`),
+#: the name suffixes of its uint8 tensors (gpt-oss's MXFP4 experts:
+#: :func:`atom.layers.weights.dequantize_mxfp4`)
+QUANTIZED_TENSOR_SUFFIXES = {"mxfp4": ("_blocks", "_scales")}
 _GGUF_MAGIC = b"GGUF"
 
 
@@ -39,8 +43,9 @@ def check_model_files(config: EngineConfig) -> None:
     ``config.json``; a GGUF file starts with the GGUF magic number and is of the llama
     architecture; a folder's ``config.json`` is a JSON object naming an architecture of the
     registry (:func:`atom.models.check_architecture`: one line listing the supported ones)
-    without ``quantization_config``, its ``*.safetensors`` headers are
-    readable and hold float tensors only; the folder has tokenizer files (unless
+    without ``quantization_config`` (or with a quant method that family dequantizes at load:
+    gpt-oss's MXFP4), its ``*.safetensors`` headers are readable and hold float tensors only
+    (and that method's uint8 tensors); the folder has tokenizer files (unless
     ``skip_tokenizer_init``).
 
     Raises:
@@ -72,25 +77,33 @@ def _check_weights(model: str) -> pathlib.Path:
         arch_config_from_gguf(gguf.GGUFReader(str(path)))  # raises for another architecture
         return path
     hf_config = _read_config_json(path / "config.json")
-    _check_architecture(hf_config, path / "config.json")
+    architecture = _check_architecture(hf_config, path / "config.json")
     quantization = hf_config.get("quantization_config")
+    quantized_suffixes: tuple[str, ...] = ()
     if quantization is not None:
+        from atom.models import MODEL_REGISTRY
+
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(f"model folder {path} holds a quantized checkpoint (quant_method="
-                         f"{method!r}): atom loads float16 / bfloat16 / float32 checkpoints, "
-                         f"or GGUF files (--quantization gguf keeps their blocks)")
-    _check_safetensors(path)
+        methods = MODEL_REGISTRY[architecture].quant_methods
+        if method not in methods:
+            theirs = f", {architecture}'s {' / '.join(methods)} ones" if methods else ""
+            raise ValueError(f"model folder {path} holds a quantized checkpoint (quant_method="
+                             f"{method!r}): atom loads float16 / bfloat16 / float32 checkpoints"
+                             f"{theirs}, or GGUF files (--quantization gguf keeps their blocks)")
+        quantized_suffixes = QUANTIZED_TENSOR_SUFFIXES[method]
+    _check_safetensors(path, quantized_suffixes)
     return path
 
 
-def _check_architecture(hf_config: dict, file: pathlib.Path) -> None:
-    """One line naming the supported architectures (:mod:`atom.models`' registry, torch-free)
-    unless ``config.json``'s architecture is one of them."""
+def _check_architecture(hf_config: dict, file: pathlib.Path) -> str:
+    """``config.json``'s architecture; raises with one line naming the supported ones
+    (:mod:`atom.models`' registry, torch-free) unless it is one of them."""
     from atom.models import check_architecture
     from atom.worker.model_loader import hf_architecture
 
-    check_architecture(hf_architecture(hf_config) or str(hf_config.get("model_type")),
-                       source=str(file))
+    architecture = hf_architecture(hf_config) or str(hf_config.get("model_type"))
+    check_architecture(architecture, source=str(file))
+    return architecture
 
 
 def _read_config_json(file: pathlib.Path) -> dict:
@@ -105,7 +118,9 @@ def _read_config_json(file: pathlib.Path) -> dict:
     return data
 
 
-def _check_safetensors(folder: pathlib.Path) -> None:
+def _check_safetensors(folder: pathlib.Path, quantized_suffixes: tuple[str, ...] = ()) -> None:
+    """Every ``*.safetensors`` header readable and every tensor a float, but uint8 tensors
+    whose names end in ``quantized_suffixes`` (the config's quant method's)."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -121,7 +136,8 @@ def _check_safetensors(folder: pathlib.Path) -> None:
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"cannot read the weights file {file} ({exc}): it is damaged or "
                              f"incomplete; save or copy it again") from exc
-        bad = {name: dtype for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES}
+        bad = {name: dtype for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES
+               and not (dtype == "U8" and name.endswith(quantized_suffixes))}
         if bad:
             name, dtype = next(iter(bad.items()))
             raise ValueError(f"{file} holds {len(bad)} tensor(s) that are not floats ({name}: "

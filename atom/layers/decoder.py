@@ -11,7 +11,8 @@ subclasses it and says only what differs, each a small override:
 - ``make_attention(config, layer_idx)`` and ``make_mlp(config, layer_idx, expert_shard)``: the
   attention variant and the MLP (dense :class:`~atom.layers.mlp.GatedMLP` or
   :class:`~atom.layers.moe.MoE`) of each layer;
-- ``expert_names``: how its checkpoints name experts (:class:`~atom.layers.weights.ExpertNames`);
+- ``expert_names``: how its checkpoints name experts (:class:`~atom.layers.weights.ExpertNames`),
+  or ``read_moe`` when they store them in a layout of their own;
 - ``kv_cache_specs(config)``: each layer's KV cache geometry (:mod:`atom.kv_cache_spec`).
 
 The forward takes the flattened tokens of a mixed batch (prefill chunks and decodes): no batch
@@ -199,18 +200,26 @@ class DecoderForCausalLM(nn.Module):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             yield ours + "self_attn.qkv_proj.weight", concat(
                 reader, (f"{hf}self_attn.{n}_proj.weight" for n in "qkv"))
+            if f"{hf}self_attn.q_proj.bias" in reader:  # attention biases (gpt-oss)
+                yield ours + "self_attn.qkv_proj.bias", concat(
+                    reader, (f"{hf}self_attn.{n}_proj.bias" for n in "qkv"))
             mlp = layer.mlp
             if isinstance(mlp, GatedMLP):
                 yield ours + "mlp.gate_up_proj.weight", concat(
                     reader, (f"{hf}mlp.{n}_proj.weight" for n in ("gate", "up")))
             elif isinstance(mlp, MoE):
-                assert self.expert_names is not None, f"{type(self).__name__} has no expert_names"
-                experts = read_experts(reader, hf, self.expert_names, num_experts=mlp.num_experts,
-                                       start=mlp.expert_start,
-                                       end=mlp.expert_start + mlp.num_local_experts)
-                for name, tensor in experts.items():
+                for name, tensor in self.read_moe(reader, hf, mlp).items():
                     yield ours + "mlp." + name, tensor
         yield from passthrough(reader)
+
+    def read_moe(self, reader: CheckpointReader, prefix: str, moe: MoE) -> dict[str, torch.Tensor]:
+        """One MoE layer's router and local experts, under the :class:`MoE`'s parameter names;
+        ``prefix`` is the layer's (``model.layers.N.``). By default either layout of
+        :func:`~atom.layers.weights.read_experts` named by :attr:`expert_names`; a family whose
+        checkpoints store experts otherwise (gpt-oss) overrides this."""
+        assert self.expert_names is not None, f"{type(self).__name__} has no expert_names"
+        return read_experts(reader, prefix, self.expert_names, num_experts=moe.num_experts,
+                            start=moe.expert_start, end=moe.expert_start + moe.num_local_experts)
 
     def pack_weights(self) -> None:
         """Swap every :class:`~atom.layers.linear.Linear`'s weight for oneDNN's packed copy

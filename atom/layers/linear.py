@@ -21,7 +21,7 @@ QUANTIZED_MAX_ROWS = 16
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T`` without bias; :meth:`pack_weight` swaps in oneDNN's packed copy.
+    """``y = x @ weight.T (+ bias)``; :meth:`pack_weight` swaps in oneDNN's packed copy.
 
     Before packing, ``weight`` is an ``[out_features, in_features]`` parameter and the forward is
     ``F.linear``. After a successful :meth:`pack_weight`, ``weight`` is None and the forward runs
@@ -33,11 +33,16 @@ class Linear(nn.Module):
     (:func:`atom.kernels.gguf.gguf_linear`) and a larger one the float GEMM above; when
     ``qweight`` is tiled (:class:`~atom.kernels.gguf.TiledWeight`, AVX-512 VNNI CPUs), every
     forward runs the quantized kernel.
+
+    With ``bias=True`` (gpt-oss's attention and experts) a ``bias`` parameter ``[out_features]``
+    is added on every path but the GGUF one (GGUF models have no biases).
     """
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
+                     else None)
         self.packed_weight: torch.Tensor | None = None
         self.qweight: QuantizedWeight | TiledWeight | None = None
 
@@ -59,5 +64,5 @@ class Linear(nn.Module):
                                          or x.shape[0] <= QUANTIZED_MAX_ROWS):
             return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
-            return F.linear(x, self.weight)
-        return packed_linear(x, self.packed_weight)
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.packed_weight, self.bias)

@@ -9,7 +9,9 @@ times its gate. Routing functions (small, tested one by one in tests/layers/test
   config's ``norm_topk_prob``);
 - :func:`unit_routing`: every token to the first k experts with gate 1 (model (a) of
   docs/ARCHITECTURE.md: a dense MLP split along its intermediate dimension, every token to all
-  experts, which sums back to the dense MLP).
+  experts, which sums back to the dense MLP);
+- :func:`topk_then_softmax`: top-k of the raw logits, softmax over those k only (gpt-oss, whose
+  router has a bias: :class:`TopKSoftmaxMoE`).
 
 The forward is four stages, so an executor can interleave them across micro-batches
 (:mod:`atom.worker.tbo`, which uses the ``*_async`` forms of dispatch and combine)::
@@ -31,7 +33,7 @@ tokens between ranks. The model code has no expert-parallel branches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -138,7 +140,7 @@ class MoE(nn.Module):
         expert_shard: hold only this rank's experts (expert parallelism); None = all.
         expert_class: one expert, built as ``expert_class(hidden_size, intermediate_size)``,
             mapping ``[n, hidden]`` to ``[n, hidden]``; a family whose experts differ (biases, a
-            clamped activation) passes its own.
+            clamped activation) passes its own (a class, or a ``functools.partial`` of one).
 
     Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates) and one
     expert module per local expert, ``local_experts[i]`` being expert ``expert_start + i``; the
@@ -155,7 +157,7 @@ class MoE(nn.Module):
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, gate_mode: str = "softmax", renormalize: bool = True,
                  expert_shard: ExpertShard | None = None,
-                 expert_class: type[nn.Module] = GatedMLP) -> None:
+                 expert_class: Callable[[int, int], nn.Module] = GatedMLP) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -270,6 +272,34 @@ class MoE(nn.Module):
         lo, hi = start - self.expert_start, end - self.expert_start
         self.local_experts = self.local_experts[lo:hi]
         self.expert_start = start
+
+
+def topk_then_softmax(router_logits: torch.Tensor,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k of the raw router logits, then a softmax over those k in float32 (gpt-oss,
+    Hugging Face's ``GptOssTopKRouter``); the other experts' logits never enter the softmax.
+
+    Args:
+        router_logits: ``[N, E]``, any float dtype (the router's bias already added).
+    Returns:
+        (expert ids int64 ``[N, k]``, gates float32 ``[N, k]`` summing to 1), highest first.
+    """
+    logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+    return ids, torch.softmax(logits, dim=-1)
+
+
+class TopKSoftmaxMoE(MoE):
+    """:class:`MoE` whose router is a linear layer **with a bias** and whose gates are
+    :func:`topk_then_softmax` (gpt-oss). Arguments as :class:`MoE` (``gate_mode`` is not one:
+    this routing is the class); parameters as :class:`MoE` plus ``router.bias`` ``[E]``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(gate_mode="softmax", **kwargs)
+        self.router = Linear(self.hidden_size, self.num_experts, bias=True)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, hidden]`` → (expert ids int64 ``[N, k]``, gates float32 ``[N, k]``)."""
+        return topk_then_softmax(self.router(x), self.top_k)
 
 
 def moe_from_dense_mlp(gate_up_weight: torch.Tensor, down_weight: torch.Tensor,

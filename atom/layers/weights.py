@@ -16,6 +16,10 @@ Expert layouts (:class:`ExpertNames`, relative to a layer's prefix ``model.layer
   ``[E, 2 I, H]``, gate rows first; ``mlp.experts.down_proj`` ``[E, H, I]``; router
   ``mlp.gate.weight``): only the rows ``[start, end)`` of the expert dimension are read
   (:meth:`WeightSource.rows`).
+
+Quantized experts: gpt-oss checkpoints store expert matrices in MXFP4 (``*_blocks`` /
+``*_scales``), dequantized here at load (:func:`dequantize_mxfp4`); their layout is the family's
+(:meth:`atom.models.gpt_oss.GptOssForCausalLM.read_moe`).
 """
 
 from __future__ import annotations
@@ -130,6 +134,42 @@ def read_experts(reader: CheckpointReader, prefix: str, names: ExpertNames, *,
             [reader.take(expert[0]), reader.take(expert[1])])
         out[f"local_experts.{e - start}.down_proj.weight"] = reader.take(expert[2])
     return out
+
+
+#: The 16 values of an FP4 (E2M1) code (OCP Microscaling Formats (MX) v1.0, section 5.3.3):
+#: codes 0-7 positive, 8-15 their negatives.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK_SIZE = 32  # FP4 values sharing one scale
+MXFP4_SCALE_BIAS = 127  # E8M0 scale: the power of two is the stored byte minus this
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 (OCP Microscaling v1.0): blocks of 32 FP4 E2M1 values sharing one E8M0 scale
+    (a power of two), as gpt-oss checkpoints store their experts. Exact: every value is an FP4
+    value times a power of two, which float32 and bfloat16 represent exactly.
+
+    Args:
+        blocks: uint8 ``[..., G, 16]``: each byte two codes, the low nibble the even element.
+        scales: uint8 ``[..., G]``: the exponent plus 127.
+        dtype: of the result.
+    Returns:
+        ``[..., G * 32]`` (row ``r`` of a ``[rows, cols]`` matrix stored as
+        ``[rows, cols / 32, 16]`` blocks comes back as that row).
+    Raises:
+        ValueError: not uint8, or the shapes do not pair up.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} / {scales.dtype}")
+    if blocks.shape[-1] != MXFP4_BLOCK_SIZE // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                         f"do not pair up: need blocks [..., G, 16] and scales [..., G]")
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]
+    values = lut[codes].flatten(-2)  # [..., G, 32], element order restored
+    exponents = scales.to(torch.int32).unsqueeze(-1) - MXFP4_SCALE_BIAS
+    return torch.ldexp(values, exponents).flatten(-2).to(dtype)
 
 
 def concat(reader: CheckpointReader, names: Iterable[str]) -> torch.Tensor:

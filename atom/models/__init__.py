@@ -15,11 +15,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One supported architecture: where its class lives and what it covers."""
+    """One supported architecture: where its class lives and what it covers.
+
+    ``quant_methods``: the ``quantization_config.quant_method`` values its checkpoints may
+    carry (dequantized at load); any other quantized folder is refused before start-up."""
 
     module: str  # under atom.models
     class_name: str
     description: str
+    quant_methods: tuple[str, ...] = ()
 
 
 #: architecture name (Hugging Face ``architectures[0]``) -> where its class is
@@ -35,6 +39,10 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
         "qwen3", "Qwen3MoeForCausalLM",
         "Qwen3-MoE: q/k norm, softmax top-k (norm_topk_prob), mlp_only_layers, "
         "decoder_sparse_step"),
+    "GptOssForCausalLM": ModelEntry(
+        "gpt_oss", "GptOssForCausalLM",
+        "gpt-oss: attention sinks, sliding-window layers, YaRN, router bias, top-k then "
+        "softmax, clamped SwiGLU experts (float or MXFP4)", quant_methods=("mxfp4",)),
 }
 
 

@@ -18,7 +18,7 @@ import torch
 
 
 class Checkpoint(Mapping):
-    """Tensors by name, in ``dtype`` (None: as stored), read on access.
+    """Tensors by name, float ones in ``dtype`` (None: as stored), read on access.
 
     Build with :meth:`from_tensors` or :meth:`from_safetensors`. A ``Mapping[str, Tensor]``:
     ``checkpoint[name]`` reads the whole tensor; :meth:`rows` a slice of it.
@@ -83,4 +83,7 @@ class Checkpoint(Mapping):
         return self._cast(self._handles[name].get_slice(name)[start:end])
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.dtype is None else tensor.to(self.dtype)
+        """Float tensors in ``dtype``; integer ones (MXFP4 blocks and scales) as stored."""
+        if self.dtype is None or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(self.dtype)

@@ -78,7 +78,7 @@ class ModelArchConfig:
         vocab_size, hidden_size, intermediate_size, num_hidden_layers: as in HF configs.
         num_attention_heads, num_key_value_heads, head_dim: query heads, KV heads (GQA) and the
             per-head size (``hidden_size / num_attention_heads`` unless the config says otherwise).
-        rope_theta: rotary base (no rope scaling is supported).
+        rope_theta: rotary base (rope scaling is a family's own setting: gpt-oss's YaRN).
         rms_norm_eps: RMSNorm epsilon.
         tie_word_embeddings: the LM head reuses the input embedding matrix.
         max_position_embeddings: the longest context the model was trained for, in tokens.

@@ -6,20 +6,23 @@
 #include "ops.h"
 
 TORCH_LIBRARY(atom_kernels, m) {
-  // Decode attention read in place from the paged KV cache (float32 output).
+  // Decode attention read in place from the paged KV cache (output in q's dtype); optional
+  // sinks [H] and sliding window (gpt-oss).
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
-  // The same, each sequence's context split across the threads when there are fewer sequences
-  // than threads (float32).
-  m.def("paged_decode_attention_split(Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
-  // RMSNorm of float32 rows.
+        "Tensor context_lens, float scale, Tensor? sinks=None, int? sliding_window=None) "
+        "-> Tensor");
+  // Causal prefill attention of several sequences read from the paged KV cache, into out.
+  m.def("paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
+        "Tensor? sinks=None, int? sliding_window=None) -> ()");
+  // RMSNorm of float32 or bfloat16 rows.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  // residual += x in place, then RMSNorm of residual (float32).
+  // residual += x in place, then RMSNorm of residual (float32 or bfloat16).
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
-  // silu(gate) * up of [T, 2I] float32 rows.
+  // silu(gate) * up of [T, 2I] float32 or bfloat16 rows.
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  // Rotary embedding of the query and key heads of a fused qkv tensor, in place (float32).
+  // Rotary embedding of the query and key heads of a fused qkv tensor, in place (float32 or
+  // bfloat16).
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, "
         "int num_kv_heads) -> ()");
   // Row-wise logsumexp and first argmax of float32 [S, V] (sampling).
@@ -42,7 +45,7 @@ TORCH_LIBRARY(atom_kernels, m) {
 TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   using namespace atom_kernels;
   m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("paged_decode_attention_split", &paged_decode_attention_split);
+  m.impl("paged_prefill_attention_", &paged_prefill_attention_);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);

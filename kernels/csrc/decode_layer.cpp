@@ -4,9 +4,7 @@
 // here as C++ functions. At one token a step, each op's work is a few microseconds; the Python
 // module calls and dispatches between them cost more than the work (about 0.2 ms a layer,
 // measured on the development machine), which this removes. The ops and their order are those
-// of the Python path, except that attention splits each sequence's context across the threads
-// when there are fewer sequences than threads (paged_decode_attention_split): a one-request
-// decode step otherwise leaves a thread idle in attention. Same results up to float rounding
+// of the Python path, so the results are the same up to float rounding
 // (tests/kernels/test_gguf_linear.py compares the two paths).
 
 #include <ATen/core/Tensor.h>
@@ -70,8 +68,9 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
     std::memcpy(v_cache_p + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
   }
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-  at::Tensor attn = paged_decode_attention_split(q, kv_cache.select(0, 0), kv_cache.select(0, 1),
-                                                 block_tables, context_lens, scale);
+  at::Tensor attn = paged_decode_attention(q, kv_cache.select(0, 0), kv_cache.select(0, 1),
+                                           block_tables, context_lens, scale, std::nullopt,
+                                           std::nullopt);
   at::Tensor o = linear(attn.view({tokens, q_size}), 1, hidden);
   at::Tensor h = fused_add_rms_norm(o, x, post_norm, eps);  // x += attention output
   at::Tensor down = linear(silu_and_mul(linear(h, 2, 2 * intermediate)), 3, hidden);

@@ -1,11 +1,19 @@
-// Fused elementwise ops of the Llama decoder (CPU, float32): RMSNorm (with the residual add
-// folded in, as vLLM's fused_add_rms_norm), SiLU-and-mul, and the rotary embedding applied in
-// place to a fused qkv tensor. Each replaces a chain of 4-8 torch ops (one pass over memory and
-// one dispatch instead of several); the math is that of the torch reference paths in
-// atom.kernels.fused, which the tests compare against.
+// Fused elementwise ops of the Llama decoder (CPU, float32 or bfloat16): RMSNorm (with the
+// residual add folded in, as vLLM's fused_add_rms_norm), SiLU-and-mul, and the rotary embedding
+// applied in place to a fused qkv tensor. Each replaces a chain of 4-8 torch ops (one pass over
+// memory and one dispatch instead of several); the math is that of the torch reference paths in
+// atom.kernels.fused, which the tests compare against (and against float64).
+//
+// bfloat16 tensors are computed in float32 lanes (bf16 loads are exact) and rounded to bf16 once
+// per output element, to nearest even (vec.h). The torch reference rounds after every op (HF's
+// RMSNorm casts x * rsqrt(...) to bf16 and then multiplies by the bf16 weight, SiLU-and-mul
+// rounds silu(gate) before the product): the kernels are at least as close to the exact result.
+// The residual stream stays bf16: fused_add_rms_norm stores residual + x rounded to bf16 and
+// normalizes that rounded sum, as the reference does.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include "ops.h"
@@ -13,56 +21,172 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace atom_kernels {
 namespace {
 
+using BF16 = c10::BFloat16;
+
 // Rows per parallel chunk: about 16k elements, so small (decode) batches stay on one thread.
 int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
-// out[i] = w[i] * x[i] * rsqrt(mean(x^2) + eps) over one row of n.
-inline void rms_norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
+inline float to_f(float v) { return v; }
+inline float to_f(BF16 v) { return static_cast<float>(v); }
+template <typename T> inline T from_f(float v) { return static_cast<T>(v); }
+// float32 rounded to T's precision (identity for float32): what a store and a load back give.
+inline float round_to(float v, float*) { return v; }
+inline float round_to(float v, BF16*) { return static_cast<float>(BF16(v)); }
+#if ATOM_AVX2
+inline __m256 round_to(__m256 v, float*) { return v; }
+inline __m256 round_to(__m256 v, BF16*) { return round_bf16(v); }
+#endif
+
+// sum of x[i]^2 over one row of n
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
   float ss = 0.f;
   int64_t i = 0;
 #if ATOM_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 v = load8(x + i);
     acc = _mm256_fmadd_ps(v, v, acc);
   }
   ss = hsum(acc);
 #endif
-  for (; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  i = 0;
+  for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  return ss;
+}
+
+// out[i] = w[i] * x[i] * inv over one row of n (one rounding to T)
+template <typename T>
+inline void scale_row(T* out, const T* x, const T* w, int64_t n, float inv) {
+  int64_t i = 0;
 #if ATOM_AVX2
   const __m256 iv = _mm256_set1_ps(inv);
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
-                                            _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
+    store8(out + i, _mm256_mul_ps(load8(w + i), _mm256_mul_ps(load8(x + i), iv)));
 #endif
-  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+  for (; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * (to_f(x[i]) * inv));
+}
+
+inline float rms_inverse(float sum_squares, int64_t n, float eps) {
+  return 1.f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
+}
+
+// res[i] = round_T(res[i] + x[i]) over one row of n; returns the sum of the squares of the
+// rounded sums
+template <typename T>
+inline float add_residual_row(T* res, const T* x, int64_t n) {
+  float ss = 0.f;
+  int64_t i = 0;
+#if ATOM_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = round_to(_mm256_add_ps(load8(res + i), load8(x + i)), res);
+    store8(res + i, v);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    const float v = round_to(to_f(res[i]) + to_f(x[i]), res);
+    res[i] = from_f<T>(v);
+    ss += v * v;
+  }
+  return ss;
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              name, ": expects a float32 [T, N] tensor with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.stride(1) == 1,
+              name, ": expects a float32 or bfloat16 [T, N] tensor with contiguous rows");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, ": all tensors must share one dtype, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+}
+
+// Calls f with a null pointer of x's element type (float or c10::BFloat16).
+template <typename F>
+void dispatch_float_bf16(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat) f(static_cast<float*>(nullptr));
+  else f(static_cast<BF16*>(nullptr));
+}
+
+template <typename T>
+void silu_and_mul_row(T* o, const T* gate, const T* up, int64_t n) {
+  int64_t i = 0;
+#if ATOM_AVX512
+  // 16 lanes, and 1 / (1 + e^-g) by reciprocal estimate + Newton step instead of a division
+  // (the division was a third of this loop's time)
+  const __m512 one16 = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(one16, e)));
+    store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+  }
+#endif
+#if ATOM_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = load8(gate + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));  // e^-g
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    store8(o + i, _mm256_mul_ps(silu, load8(up + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = to_f(gate[i]);
+    o[i] = from_f<T>(g / (1.f + std::exp(-g)) * to_f(up[i]));
+  }
+}
+
+// [x1, x2] * cos + [-x2, x1] * sin in place on one head, x1 = x[:half], x2 = x[half:]
+template <typename T>
+void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+  int64_t i = 0;
+#if ATOM_AVX2
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8(x + i), x2 = load8(x + half + i);
+    // separate products and sums (no FMA): the same float32 rounding as the torch reference
+    const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(x1, load8(c + i)), _mm256_mul_ps(x2, load8(s + i)));
+    const __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, load8(c + half + i)),
+                                    _mm256_mul_ps(x1, load8(s + half + i)));
+    store8(x + i, lo);
+    store8(x + half + i, hi);
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[half + i]);
+    x[i] = from_f<T>(x1 * to_f(c[i]) - x2 * to_f(s[i]));
+    x[half + i] = from_f<T>(x2 * to_f(c[half + i]) + x1 * to_f(s[half + i]));
+  }
 }
 
 }  // namespace
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
+  check_same_dtype(x, weight, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "rms_norm: weight must be float32 [N]");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "rms_norm: weight must be [N]");
   auto out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(op + r * n, xp + r * xs, wp, n, eps);
+  dispatch_float_bf16(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * xs;
+        scale_row(op + r * n, xr, wp, n, rms_inverse(sum_squares(xr, n), n, eps));
+      }
+    });
   });
   return out;
 }
@@ -71,23 +195,27 @@ at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weig
                               double eps) {
   check_rows(x, "fused_add_rms_norm");
   check_rows(residual, "fused_add_rms_norm");
+  check_same_dtype(x, residual, "fused_add_rms_norm");
+  check_same_dtype(x, weight, "fused_add_rms_norm");
   TORCH_CHECK(x.sizes() == residual.sizes(), "fused_add_rms_norm: x and residual shapes differ");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "fused_add_rms_norm: weight must be float32 [N]");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(),
+              "fused_add_rms_norm: weight must be [N]");
   auto out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* res = rp + r * rs;
-      const float* xr = xp + r * xs;
-      for (int64_t i = 0; i < n; ++i) res[i] += xr[i];
-      rms_norm_row(op + r * n, res, wp, n, eps);
-    }
+  dispatch_float_bf16(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t xs = x.stride(0), rs = residual.stride(0);
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* res = rp + r * rs;
+        const float ss = add_residual_row(res, xp + r * xs, n);
+        scale_row(op + r * n, res, wp, n, rms_inverse(ss, n, eps));
+      }
+    });
   });
   return out;
 }
@@ -97,26 +225,15 @@ at::Tensor silu_and_mul(at::Tensor x) {
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even (gate, up)");
   auto out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * xs;
-      const float* up = gate + n;
-      float* o = op + r * n;
-      int64_t i = 0;
-#if ATOM_AVX2
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));  // e^-g
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-      }
-#endif
-      for (; i < n; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+  dispatch_float_bf16(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_and_mul_row(op + r * n, xp + r * xs, xp + r * xs + n, n);
+    });
   });
   return out;
 }
@@ -126,47 +243,31 @@ void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
   check_rows(qkv, "rotary_embedding_");
   check_rows(cos, "rotary_embedding_");
   check_rows(sin, "rotary_embedding_");
+  check_same_dtype(qkv, cos, "rotary_embedding_");
+  check_same_dtype(qkv, sin, "rotary_embedding_");
   const int64_t rows = qkv.size(0), head_dim = cos.size(1), half = head_dim / 2;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == rows && head_dim % 2 == 0,
               "rotary_embedding_: cos and sin must be [T, D] with an even D");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "rotary_embedding_: qkv must be [T, (H + 2 H_kv) * D]");
-  float* xp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
   const int64_t heads = num_heads + num_kv_heads;  // queries, then keys; values untouched
-  at::parallel_for(0, rows, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* c = cp + r * cs;
-      const float* s = sp + r * ss;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x = xp + r * xs + h * head_dim;
-        // [x1, x2] * cos + [-x2, x1] * sin, with x1 = x[:half], x2 = x[half:]
-        int64_t i = 0;
-#if ATOM_AVX2
-        for (; i + 8 <= half; i += 8) {
-          const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
-          const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)),
-                                          _mm256_mul_ps(x2, _mm256_loadu_ps(s + i)));
-          const __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
-                                          _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i)));
-          _mm256_storeu_ps(x + i, lo);
-          _mm256_storeu_ps(x + half + i, hi);
-        }
-#endif
-        for (; i < half; ++i) {
-          const float x1 = x[i], x2 = x[half + i];
-          x[i] = x1 * c[i] - x2 * s[i];
-          x[half + i] = x2 * c[half + i] + x1 * s[half + i];
-        }
-      }
-    }
+  dispatch_float_bf16(qkv, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* xp = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+    at::parallel_for(0, rows, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+          rotate_head(xp + r * xs + h * head_dim, cp + r * cs, sp + r * ss, half);
+    });
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> logsumexp_argmax(at::Tensor x) {
-  check_rows(x, "logsumexp_argmax");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "logsumexp_argmax: expects a float32 [S, V] tensor with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(n > 0, "logsumexp_argmax: rows must not be empty");
   auto lse = at::empty({rows}, x.options());

@@ -6,36 +6,51 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace atom_kernels {
 
-// q [S, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (same dtype as q, float32 or
-// bfloat16, contiguous); block_tables int64 [S, >= max blocks]; context_lens int64 [S], >= 1.
-// Returns float32 [S, H, D].
+// q [S, H, D] (rows and heads may be strided; D contiguous); k_cache, v_cache [num_blocks,
+// block_size, H_kv, D] (same dtype as q, float32 or bfloat16, contiguous); block_tables int64
+// [S, >= max blocks]; context_lens int64 [S], >= 1. Returns [S, H, D] in q's dtype (float32
+// accumulation, one rounding). With fewer sequences than threads each context is split across
+// the threads (partial softmaxes merged: the same values up to float rounding). The layer's
+// options (attention_options.h): sinks [H] (any float dtype) or none, sliding_window W > 0 (the
+// query sees its last W tokens) or none.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
-                                     double scale);
+                                  double scale, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> sliding_window);
 
-// paged_decode_attention with each sequence's context split across the threads when there are
-// fewer sequences than threads (float32, AVX2; otherwise the same as paged_decode_attention).
-// The same values up to float rounding (partial softmaxes merged).
-at::Tensor paged_decode_attention_split(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                        at::Tensor block_tables, at::Tensor context_lens,
-                                        double scale);
+// Causal attention of the new tokens of S prefill sequences, read from the paged cache (their
+// K/V written already), into out: q and out [T, H, D] (rows and heads may be strided, D
+// contiguous), caches as paged_decode_attention; block_tables int64 [S, >= max blocks],
+// context_lens int64 [S] (tokens with KV, new ones included), query_start_loc int64 [S + 1]:
+// sequence i's new tokens are rows [query_start_loc[i], query_start_loc[i + 1]) of q, at the
+// last positions of its context. Other rows of out are left as they are. sinks and
+// sliding_window as paged_decode_attention's.
+void paged_prefill_attention_(at::Tensor out, at::Tensor q, at::Tensor k_cache,
+                              at::Tensor v_cache, at::Tensor block_tables,
+                              at::Tensor context_lens, at::Tensor query_start_loc, double scale,
+                              const std::optional<at::Tensor>& sinks,
+                              std::optional<int64_t> sliding_window);
 
-// x [T, N] float32 -> weight * x / sqrt(mean(x^2) + eps), float32 [T, N].
+// The fused elementwise ops take float32 or bfloat16 (every tensor of a call in one dtype;
+// bfloat16 computed in float32 and rounded once per output element).
+
+// x [T, N] -> weight * x / sqrt(mean(x^2) + eps), [T, N].
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 
-// residual += x (in place), then returns rms_norm(residual); all float32 [T, N].
+// residual += x (in place, rounded to its dtype), then returns rms_norm(residual); all [T, N].
 at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                               double eps);
 
-// x [T, 2 I] float32 (gate columns, then up) -> silu(gate) * up, float32 [T, I].
+// x [T, 2 I] (gate columns, then up) -> silu(gate) * up, [T, I].
 at::Tensor silu_and_mul(at::Tensor x);
 
-// In place on qkv [T, (H + 2 H_kv) * D] float32 (rows contiguous): rotates the H query heads and
-// the H_kv key heads of each row with cos/sin [T, D] (Hugging Face rotate_half convention).
+// In place on qkv [T, (H + 2 H_kv) * D] (rows contiguous): rotates the H query heads and the
+// H_kv key heads of each row with cos/sin [T, D] (Hugging Face rotate_half convention).
 void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                        int64_t num_heads, int64_t num_kv_heads);
 

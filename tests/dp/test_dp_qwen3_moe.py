@@ -12,27 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from atom.config import EngineConfig
-from atom.engine.llm_engine import LLMEngine
-from tests.moe_utils import OPTIONS, PARAMS, build_tiny_qwen3, run_on_two_ep_ranks, tiny_prompts
-from tests.utils import check_greedy_close, hf_greedy, ours_greedy
+from tests.moe_utils import build_tiny_qwen3, one_rank_and_transformers, run_on_two_ep_ranks
+from tests.utils import check_greedy_close
 
 
 @pytest.fixture(scope="module")
 def folder_and_references(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-moe")
-    model = build_tiny_qwen3(folder)
-    prompts = tiny_prompts()
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), **{**OPTIONS,
-                                                "max_model_len": 256}, skip_tokenizer_init=True))
-    for i, prompt in enumerate(prompts):  # one rank, in this process
-        engine.add_request(str(i), prompt, PARAMS)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
-    engine.shutdown()
-    one_rank = ours_greedy([finished[str(i)] for i in range(len(prompts))])
-    return folder, prompts, one_rank, hf_greedy(model, prompts, PARAMS.max_tokens)
+    return (folder, *one_rank_and_transformers(folder, build_tiny_qwen3(folder)))
 
 
 def test_experts_over_two_ranks_with_tbo_match_one_rank(folder_and_references):

@@ -76,6 +76,11 @@ def test_integer_or_quantized_checkpoints_are_refused(copy):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantized checkpoint \\(quant_method='fp8'\\)"):
         _check(copy)
+    config["quantization_config"] = {"quant_method": "mxfp4"}  # gpt-oss's, not Llama's
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method='mxfp4'\\): atom loads float16 / "
+                                         "bfloat16 / float32 checkpoints, or GGUF"):
+        _check(copy)
 
 
 def test_bad_config_json_missing_weights_and_a_file_that_is_not_gguf(copy, tmp_path):

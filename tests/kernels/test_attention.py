@@ -1,4 +1,5 @@
-"""Paged attention kernels against dense causal SDPA on random data (float32, CPU)."""
+"""Paged attention kernels against dense causal SDPA on random data (float32, CPU); with sinks
+and a sliding window (gpt-oss) against dense attention written out in float64."""
 
 from __future__ import annotations
 
@@ -40,6 +41,23 @@ class _Seq:
             self.q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
             scale=SCALE)
         return out.transpose(0, 1)[start:end]
+
+    def dense_out_sinks(self, start: int, end: int, *, sinks: torch.Tensor,
+                        sliding_window: int | None) -> torch.Tensor:
+        """Rows [start, end) of dense attention over the whole history in float64, with a sink
+        logit per head in each softmax's denominator and keys within the window only."""
+        group = NUM_HEADS // NUM_KV_HEADS
+        q, k, v = (x.double().transpose(0, 1) for x in (self.q, self.k, self.v))
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        scores = q @ k.transpose(1, 2) * SCALE  # [H, L, L]
+        pos = torch.arange(len(self.q))
+        visible = pos[None, :] <= pos[:, None]
+        if sliding_window is not None:
+            visible &= pos[None, :] > pos[:, None] - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sink = sinks.double()[:, None, None].expand(-1, len(pos), 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return (probs @ v).transpose(0, 1)[start:end].float()
 
 
 def _kv_cache() -> torch.Tensor:
@@ -169,3 +187,43 @@ def test_dummy_batch_writes_nothing():
         out = paged_attention(q, k, k, cache, AttentionMetadata.empty(num_tokens), scale=SCALE)
         assert out.shape == q.shape and out.abs().sum() == 0
     assert cache.abs().sum() == 0
+
+
+@pytest.mark.parametrize("sliding_window", [5, None])
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_reference])
+def test_sinks_and_sliding_window_match_dense(fn, sliding_window, gen, free_blocks):
+    """The mixed batch above with sinks and a window of 5 tokens (past a block boundary):
+    decodes whose window starts mid-context, a chunk whose earlier chunk and the window's start
+    are cached, a fresh prompt longer than the window, padding."""
+    sinks = torch.randn(NUM_HEADS, generator=gen) * 2
+    decode_a, decode_b = _Seq(9, free_blocks, gen), _Seq(17, free_blocks, gen)
+    chunked, fresh = _Seq(21, free_blocks, gen), _Seq(7, free_blocks, gen)
+    cache = _kv_cache()
+    for seq, end in ((decode_a, 8), (decode_b, 16), (chunked, 10)):
+        _fill(cache, seq, end)
+    step = [(decode_a, 8, 9), (decode_b, 16, 17), (chunked, 10, 21), (fresh, 0, 7)]
+    q, k, v, meta = _step(step, num_padding=3)
+    out = fn(q, k, v, cache, meta, scale=SCALE, sinks=sinks, sliding_window=sliding_window)
+    expected = torch.cat([s.dense_out_sinks(a, b, sinks=sinks, sliding_window=sliding_window)
+                          for s, a, b in step])
+    torch.testing.assert_close(out[:-3], expected, atol=1e-5, rtol=1e-5)
+    assert out[-3:].abs().sum() == 0
+    plain = torch.cat([s.dense_out(a, b) for s, a, b in step])
+    assert (out[:-3] - plain).abs().max() > 1e-2  # the sinks (and window) did change the output
+
+
+@pytest.mark.parametrize("sliding_window", [1, 6, None])
+def test_batched_decode_with_sinks_and_window_equals_dense(sliding_window, gen, free_blocks):
+    lengths = [1, 3, 4, 5, 16, 31]
+    seqs = [_Seq(n, free_blocks, gen) for n in lengths]
+    sinks = torch.randn(NUM_HEADS, generator=gen)
+    cache = _kv_cache()
+    for s in seqs:
+        _fill(cache, s, len(s.k))
+    q, _, _, meta = _step([(s, len(s.q) - 1, len(s.q)) for s in seqs])
+    batched = paged_decode_attention(q, cache[0], cache[1], meta.block_tables,
+                                     meta.context_lens_tensor, scale=SCALE, sinks=sinks,
+                                     sliding_window=sliding_window)
+    expected = torch.cat([s.dense_out_sinks(len(s.q) - 1, len(s.q), sinks=sinks,
+                                            sliding_window=sliding_window) for s in seqs])
+    torch.testing.assert_close(batched, expected, atol=1e-5, rtol=1e-5)

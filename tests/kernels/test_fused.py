@@ -1,4 +1,5 @@
-"""The fused elementwise kernels (kernels/csrc/fused_ops.cpp) against their torch references."""
+"""The fused elementwise kernels (kernels/csrc/fused_ops.cpp) against their torch references
+(float32) and float64 math (bfloat16)."""
 
 from __future__ import annotations
 
@@ -59,28 +60,86 @@ def test_rotary_embedding_in_place_matches_reference(ops, head_dim):
 
 
 def test_kernels_reject_wrong_dtype_and_shape(ops):
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.rms_norm(_randn(2, 8).double(), _randn(8).double(), 1e-5)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        ops.rms_norm(_randn(2, 8).bfloat16(), _randn(8), 1e-5)
     with pytest.raises(RuntimeError, match="even"):
         ops.silu_and_mul(_randn(2, 7))
     with pytest.raises(RuntimeError, match=r"\(H \+ 2 H_kv\) \* D"):
         ops.rotary_embedding_(_randn(2, 100), _randn(2, 8), _randn(2, 8), 2, 1)
 
 
-def test_bfloat16_takes_the_torch_path():
-    """Non-float32 inputs use the references (the kernels are float32 only)."""
-    x, w = _randn(5, 64).bfloat16(), _randn(64, seed=1).bfloat16()
+# bfloat16 kernels against float64 math on the same bf16 inputs. A kernel computes in float32
+# and rounds each output once (at most half a bf16 ulp: 2^-9 relative); the torch reference
+# rounds after every op. Tolerance: rtol 2^-8 (one rounding plus float32 sums), atol 1e-6; the
+# kernel must also be no farther from float64 than the reference, summed over all elements.
+BF16_TOLERANCE = dict(rtol=2**-8, atol=1e-6)
+
+
+def _check_bf16(out: torch.Tensor, exact: torch.Tensor, reference: torch.Tensor) -> None:
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, **BF16_TOLERANCE)
+    assert (out.double() - exact).abs().sum() <= (reference.double() - exact).abs().sum()
+
+
+def _rms_norm_exact(x, w, eps):
+    xd = x.double()
+    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("n", [576, 13])
+@pytest.mark.parametrize("rows", [1, 70])
+def test_rms_norm_bf16_matches_float64(ops, n, rows):
+    x, w = _randn(rows, n, scale=3.0).bfloat16(), _randn(n, seed=1).bfloat16()
+    out = fused.rms_norm(x, w, 1e-5)
+    assert torch.equal(out, ops.rms_norm(x, w, 1e-5))  # the wrapper runs the kernel
+    _check_bf16(out, _rms_norm_exact(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("n", [576, 13])
+def test_fused_add_rms_norm_bf16_matches_float64(ops, n):
+    x, residual, w = (_randn(33, n, seed=2).bfloat16(), _randn(33, n, seed=3).bfloat16(),
+                      _randn(n, seed=4).bfloat16())
+    expected_sum = residual + x  # bf16: rounded once, as the kernel stores it
+    out = fused.rms_norm(x, w, 1e-5, residual=residual)
+    assert torch.equal(residual, expected_sum)
+    _check_bf16(out, _rms_norm_exact(expected_sum, w, 1e-5),
+                fused.rms_norm_reference(expected_sum, w, 1e-5))
+
+
+@pytest.mark.parametrize("n", [1536, 13])
+def test_silu_and_mul_bf16_matches_float64(ops, n):
+    x = _randn(40, 2 * n, scale=4.0).bfloat16()
+    out = fused.silu_and_mul(x)
+    assert torch.equal(out, ops.silu_and_mul(x))
+    gate, up = x.double().chunk(2, dim=-1)
+    ref_gate, ref_up = x.chunk(2, dim=-1)
+    _check_bf16(out, F.silu(gate) * up, F.silu(ref_gate) * ref_up)
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_rotary_embedding_bf16_matches_float64(ops, head_dim):
+    num_heads, num_kv_heads, rows = 9, 3, 21
+    qkv = _randn(rows, (num_heads + 2 * num_kv_heads) * head_dim).bfloat16()
+    cos, sin = _randn(rows, head_dim, seed=4).bfloat16(), _randn(rows, head_dim, seed=5).bfloat16()
+    qk_size = (num_heads + num_kv_heads) * head_dim
+    heads = qkv[:, :qk_size].reshape(rows, num_heads + num_kv_heads, head_dim)
+    exact = fused.apply_rotary_reference(heads.double(), cos.double(), sin.double())
+    reference = fused.apply_rotary_reference(heads, cos, sin)
+    values = qkv[:, qk_size:].clone()
+    fused.rotary_embedding_(qkv, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    _check_bf16(qkv[:, :qk_size].reshape_as(exact), exact, reference)
+    assert torch.equal(qkv[:, qk_size:], values)  # values are not rotated
+
+
+def test_other_dtypes_take_the_torch_path():
+    """float16 has no kernel: the references run."""
+    x, w = _randn(5, 64).half(), _randn(64, seed=1).half()
     assert torch.equal(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5))
-    gu = _randn(5, 32).bfloat16()
+    gu = _randn(5, 32).half()
     gate, up = gu.chunk(2, dim=-1)
     assert torch.equal(fused.silu_and_mul(gu), F.silu(gate) * up)
-    qkv = _randn(3, (2 + 2 * 1) * 8).bfloat16()  # 2 query heads, 1 KV head, head_dim 8
-    cos, sin = _randn(3, 8, seed=2).bfloat16(), _randn(3, 8, seed=3).bfloat16()
-    expected = fused.apply_rotary_reference(qkv[:, :24].reshape(3, 3, 8), cos, sin)
-    values = qkv[:, 24:].clone()
-    fused.rotary_embedding_(qkv, cos, sin, num_heads=2, num_kv_heads=1)
-    assert torch.equal(qkv[:, :24].reshape(3, 3, 8), expected)
-    assert torch.equal(qkv[:, 24:], values)
 
 
 @pytest.mark.parametrize("vocab", [49152, 1003, 5])  # 1003: a tail after the 8-wide loop; 5: only the tail

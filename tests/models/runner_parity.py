@@ -1,5 +1,6 @@
 """Logits parity of a ModelRunner with transformers, step by step (shared by the model tests):
-a whole prompt then decodes, and a chunked prompt batched with another sequence."""
+a whole prompt then decodes, and a chunked prompt batched with another sequence; and a
+checkpoint that records what a model read from it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from atom.core.sequence import Sequence
 from atom.sampling_params import SamplingParams
+from atom.worker.checkpoint import Checkpoint
 from atom.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -91,3 +93,31 @@ def check_chunked_mixed_batch(runner, hf_model, vocab: int) -> None:
     prompt_logits = torch.cat(
         [out1.prompt_logits[chunked.seq_id], out2.prompt_logits[chunked.seq_id]])
     assert_close(prompt_logits, ref[:-1])
+
+
+class CountingCheckpoint(Checkpoint):
+    """A checkpoint that records what the model read: whole tensors and row ranges."""
+
+    def __init__(self, inner: Checkpoint):
+        self.inner, self.dtype, self.read, self.rows_read = inner, inner.dtype, set(), {}
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __contains__(self, name):
+        return name in self.inner
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return self.inner[name]
+
+    def rows(self, name, start, end):
+        self.rows_read[name] = (start, end)
+        return self.inner.rows(name, start, end)

@@ -23,23 +23,18 @@ import random
 import pytest
 import torch
 
-from atom import LLM, SamplingParams
 from atom.kv_cache_spec import KVCacheSpec
 from atom.layers.moe import ExpertShard, MoE
 from atom.models import get_model_class
 from atom.models.qwen3 import is_sparse_layer
-from atom.worker.checkpoint import Checkpoint
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
 from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool,
-                                        check_chunked_mixed_batch, check_prefill_then_decode,
-                                        random_tokens, seq_of)
-from tests.moe_utils import (assert_logprobs_close, build_tiny_mixtral, build_tiny_qwen3,
+                                        CountingCheckpoint, check_chunked_mixed_batch,
+                                        check_prefill_then_decode, random_tokens, seq_of)
+from tests.moe_utils import (build_tiny_mixtral, build_tiny_qwen3, check_engine_parity,
+                             check_ngram_speculation, engine_parity_prompts, parity_engine,
                              save_fused_layout)
-from tests.utils import check_greedy_close, hf_greedy, ours_greedy
-
-MAX_NEW_TOKENS = 12
-PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5, ignore_eos=True)
 
 
 def _runner(folder, *, expert_shard=None) -> ModelRunner:
@@ -90,67 +85,17 @@ def test_qwen3_moe_sparse_layer_rule(layer_idx, step, mlp_only, sparse):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    rng = random.Random(3)
-    shared = [rng.randrange(3, 512) for _ in range(40)]  # prefix-cache hits across prompts
-    return ([[rng.randrange(3, 512) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
-            + [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 17)])
-
-
-@pytest.fixture(scope="module")
 def engine(family):
-    """One engine per family: a 16-token budget (chunked prefill) and 12 blocks of 8 tokens for
-    batches of prompts up to 57 + 12 tokens (preemption)."""
-    with LLM(str(family[0]), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=12,
-             block_size=8, max_num_batched_tokens=16, max_model_len=128, num_threads=1) as llm:
+    """One engine per family (tests/moe_utils.py parity_engine)."""
+    with parity_engine(family[0]) as llm:
         yield llm
 
 
-def test_engine_greedy_matches_transformers(family, engine, prompts):
-    hf_model = family[1]
-    reference = hf_greedy(hf_model, prompts, MAX_NEW_TOKENS)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    first = ours_greedy(engine.generate(requests, PARAMS))
-    again = ours_greedy(engine.generate(requests, PARAMS))  # prompts cached: prefix hits
-    stats = engine.get_stats()
-    name = hf_model.config.model_type
-    for label, ours in (("first", first), ("again", again)):
-        check_greedy_close(ours, reference, name=f"tiny {name}, {label}")
-        assert_logprobs_close(ours, reference)
-    assert stats["num_preemptions"] > 0
-    assert stats["prefix_cache_hits"] > 0
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+def test_engine_greedy_matches_transformers(family, engine):
+    check_engine_parity(engine, family[1], engine_parity_prompts())
 
 
 # ----- checkpoint layouts -----
-
-
-class CountingCheckpoint(Checkpoint):
-    """A checkpoint that records what the model read: whole tensors and row ranges."""
-
-    def __init__(self, inner: Checkpoint):
-        self.inner, self.dtype, self.read, self.rows_read = inner, inner.dtype, set(), {}
-
-    @property
-    def device(self):
-        return self.inner.device
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __contains__(self, name):
-        return name in self.inner
-
-    def __getitem__(self, name):
-        self.read.add(name)
-        return self.inner[name]
-
-    def rows(self, name, start, end):
-        self.rows_read[name] = (start, end)
-        return self.inner.rows(name, start, end)
 
 
 @pytest.mark.parametrize("builder", ["qwen3_moe", "mixtral"])
@@ -213,13 +158,4 @@ def test_ngram_speculative_decoding_keeps_the_greedy_tokens(family, engine):
     rng = random.Random(5)
     motif = [rng.randrange(3, 512) for _ in range(6)]
     prompts = [motif * 5, [rng.randrange(3, 512) for _ in range(20)] + motif * 3]
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True)
-    plain = ours_greedy(engine.generate(requests, params))
-    with LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
-             max_model_len=128, num_threads=1, speculative_method="ngram",
-             num_speculative_tokens=3) as llm:
-        spec = ours_greedy(llm.generate(requests, params))
-        stats = llm.get_stats()
-    check_greedy_close(spec, plain, name="tiny qwen3_moe, n-gram speculation")
-    assert stats["spec_num_accepted_tokens"] > 0
+    check_ngram_speculation(engine, folder, prompts, max_tokens=24)

@@ -34,35 +34,35 @@ def test_the_registry_imports_no_torch():
 
 def test_check_architecture_names_the_supported_ones():
     with pytest.raises(ValueError) as info:
-        check_architecture("GptOssForCausalLM", source="/m/config.json")
+        check_architecture("GPT2LMHeadModel", source="/m/config.json")
     message = str(info.value)
-    assert "\n" not in message and "'GptOssForCausalLM' (/m/config.json)" in message
+    assert "\n" not in message and "'GPT2LMHeadModel' (/m/config.json)" in message
     assert all(name in message for name in supported_architectures())
 
 
 @pytest.fixture
-def gpt_oss_folder(tmp_path):
+def gpt2_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}))
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     return tmp_path
 
 
-def test_llm_refuses_an_unsupported_architecture_before_starting_a_process(gpt_oss_folder):
+def test_llm_refuses_an_unsupported_architecture_before_starting_a_process(gpt2_folder):
     from atom import LLM
 
-    with pytest.raises(ValueError, match="unsupported architecture 'GptOssForCausalLM'") as info:
-        LLM(str(gpt_oss_folder), skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'") as info:
+        LLM(str(gpt2_folder), skip_tokenizer_init=True)
     assert "Qwen3MoeForCausalLM" in str(info.value)
     assert psutil.Process().children() == []
 
 
-def test_atom_command_refuses_it_in_one_line(gpt_oss_folder):
-    proc = subprocess.run([ATOM, "generate", "--prompt", "x", "--model", str(gpt_oss_folder)],
+def test_atom_command_refuses_it_in_one_line(gpt2_folder):
+    proc = subprocess.run([ATOM, "generate", "--prompt", "x", "--model", str(gpt2_folder)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [proc.stderr.strip()]  # one line
     assert proc.stderr.startswith("atom generate: error: unsupported architecture "
-                                  "'GptOssForCausalLM'")
+                                  "'GPT2LMHeadModel'")
     assert "see `atom models`" in proc.stderr
 
 

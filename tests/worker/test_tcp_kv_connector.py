@@ -208,7 +208,10 @@ def test_pull_copies_every_layer_and_confirms(producer):
     (dict(dtype="bfloat16"), ("dtype=float32", "dtype=bfloat16")),
     (dict(architecture="LlamaForCausalLM", layers=(KVCacheSpec(num_kv_heads=2, head_dim=8),) * 3),
      ("layers 0-1: K+V 2 heads x 8; layer 2: latent 12", "layers 0-2: K+V 2 heads x 8")),
-], ids=["dtype", "per-layer shapes"])
+    # gpt-oss's windowed layers: the same bytes per token, a different attention
+    (dict(layers=(KVCacheSpec(num_kv_heads=2, head_dim=8, sliding_window=128),) + LAYERS[1:]),
+     ("layers 0-1: K+V 2 heads x 8;", "layer 0: K+V 2 heads x 8, window 128; layer 1: K+V")),
+], ids=["dtype", "per-layer shapes", "sliding window"])
 def test_layout_mismatch_is_refused_naming_both_layouts(producer, theirs, named):
     layout = msgspec.structs.replace(LAYOUT, **theirs)
     consumer = TCPKVConnector("consumer", caches(layout, 8, seed=None), layout)

@@ -105,14 +105,29 @@ def test_calibration_grid_on_a_qwen3_moe_folder(tmp_path):
         measure_grid(EngineConfig(model=str(small), dtype="float32", num_threads=1), repeats=1,
                      grid=[{}])
     build_tiny_qwen3(large, vocab_size=20000, max_position_embeddings=2048)
+    _check_calibration_of_a_tiny_moe(large, "Qwen3MoeForCausalLM")
+
+
+def _check_calibration_of_a_tiny_moe(folder, architecture: str) -> None:
+    """A decode point and a TBO prefill point measured on the tiny MoE in ``folder`` (3 layers,
+    2 KV heads of 24, 8 experts, 2048 positions); its facts are the model's."""
     grid = [{"decode": (2, 32)}, {"prefill": [(16, 0)], "tbo": True}]
-    measurements, facts = measure_grid(EngineConfig(model=str(large), dtype="float32",
+    measurements, facts = measure_grid(EngineConfig(model=str(folder), dtype="float32",
                                                     num_threads=1), repeats=1, grid=grid)
     # 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
     assert facts == {"kv_cache_bytes_per_token": 3 * 2 * 2 * 24 * 4,
                      "max_position_embeddings": 2048, "num_experts": 8,
-                     "architecture": "Qwen3MoeForCausalLM"}
+                     "architecture": architecture}
     assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
+
+
+def test_calibration_grid_on_a_gpt_oss_folder(tmp_path):
+    """`atom sim calibrate --model FOLDER` on gpt-oss: the windowed layers keep every token's
+    K/V (the KV bytes per token count every layer), its experts are counted; a TBO point runs."""
+    from tests.moe_utils import build_tiny_gpt_oss
+
+    build_tiny_gpt_oss(tmp_path, vocab_size=20000, max_position_embeddings=2048)
+    _check_calibration_of_a_tiny_moe(tmp_path, "GptOssForCausalLM")
 
 
 def test_run_says_what_it_ran_and_notes_an_overloaded_run(profile, capsys):
