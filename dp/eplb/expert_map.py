@@ -51,18 +51,16 @@ class ExpertMap:
         self.fake_uniform = fake_uniform
         self.recording = False
         self.counts = torch.zeros(num_physical, dtype=torch.int64)  # this rank's tokens
-        self._direct: torch.Tensor | None = None  # [E] slot of each expert (one replica each)
-        self._candidates = torch.empty(0, dtype=torch.int64)  # [W*E, C]
-        self._num_candidates = torch.empty(0, dtype=torch.int64)  # [W*E]
+        self._replicas = torch.empty(0, dtype=torch.int64)  # [E, C]: each expert's slots
+        self._num_replicas = torch.empty(0, dtype=torch.int64)  # [E]
+        self._single = False  # every expert in one slot: no choice to make
 
     def set_placement(self, phy2log: np.ndarray) -> None:
         """Use the placement ``phy2log`` int ``[num_physical]`` from the next forward on."""
-        candidates, counts = replica_table(phy2log, num_logical=self.num_logical,
-                                           num_ranks=self.ep.world_size)
-        self._candidates = torch.from_numpy(candidates.reshape(-1, candidates.shape[-1]))
-        self._num_candidates = torch.from_numpy(counts.reshape(-1))
-        no_replicas = len(np.unique(phy2log)) == len(phy2log)
-        self._direct = self._candidates[:self.num_logical, 0].clone() if no_replicas else None
+        replicas, counts = replica_table(phy2log, num_logical=self.num_logical)
+        self._replicas = torch.from_numpy(replicas)
+        self._num_replicas = torch.from_numpy(counts)
+        self._single = bool((counts == 1).all())
 
     def to_slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids int64 ``[N, k]`` of the gathered batch → slot ids int64 ``[N, k]``
@@ -70,17 +68,14 @@ class ExpertMap:
         n, k = ids.shape
         if n == 0:
             return ids
-        rows = torch.arange(n, device=ids.device)
         if self.fake_uniform:
             ids = (torch.arange(n * k, device=ids.device) % self.num_logical).view(n, k)
-        m, t = self.ep.computing_rows()
-        if self._direct is not None:  # no replicas: one slot per expert
-            slots = self._direct[ids]
+        if self._single:
+            slots = self._replicas[ids, 0]
         else:
-            source = torch.div(rows, m, rounding_mode="floor") if m else rows * 0
-            key = source[:, None] * self.num_logical + ids
-            pick = rows[:, None] % self._num_candidates[key]
-            slots = self._candidates[key, pick]
+            rows = torch.arange(n, device=ids.device)[:, None]
+            slots = self._replicas[ids, rows % self._num_replicas[ids]]
+        m, t = self.ep.computing_rows()
         if self.recording and t:
             start = self.ep.rank * m
             self.counts += torch.bincount(slots[start:start + t].flatten(),

@@ -27,8 +27,12 @@ others compute too: ranks that share a machine's memory bandwidth and caches (CP
 one socket) slow each other; ranks on their own accelerators do not (0). Without
 expert parallelism ``token_s`` covers the MLP and R = 0; with it every rank runs its experts
 on the W·M padded rows of every rank at 1/W of the experts, so the MLP's share of
-``token_s`` (``mlp_token_s``) moves to R = M rows, dummy batches included. ``tick_s`` is the
-per-tick overhead outside the forward (the two gathers, scheduling, outputs).
+``token_s`` (``mlp_token_s``) moves to R = M·I rows, dummy batches included, where I is the
+step's expert imbalance (Σ_layers max-over-ranks / Σ_layers mean-over-ranks of the routed
+tokens: every layer's combine waits for its busiest rank; 1 when balanced, the default, and
+from a routing-skew model and the placement otherwise: :mod:`atom.dp.sim.experts`).
+``tick_s`` is the per-tick overhead outside the forward (the two gathers, scheduling,
+outputs).
 
 Where it is a guess: the per-rank terms are measured on this machine's model runner; the EP
 and tick terms are fitted on W = 2 real runs, so the ``(W-1)`` bandwidth factor (ring
@@ -207,11 +211,14 @@ class CostModel:
         self.slowest_rank = slowest_rank
         self.dummy_cost = dummy_cost
 
-    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int) -> float:
-        """One micro-batch's compute on one rank (``max_num_tokens``: the step's M)."""
+    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int,
+                      expert_imbalance: float = 1.0) -> float:
+        """One micro-batch's compute on one rank (``max_num_tokens``: the step's M;
+        ``expert_imbalance``: the step's I, 1 when the experts' tokens are balanced)."""
         c = self.c
         if self.expert_parallel:  # the MLP's share of token_s moves to the M padded rows
-            per_token, mlp = max(0.0, c.token_s - c.mlp_token_s), c.mlp_token_s * max_num_tokens
+            per_token = max(0.0, c.token_s - c.mlp_token_s)
+            mlp = c.mlp_token_s * max_num_tokens * expert_imbalance
         else:
             per_token, mlp = c.token_s, 0.0
         if mb.is_dummy:
@@ -221,16 +228,19 @@ class CostModel:
             + c.seq_s * mb.num_seqs + c.prefill_pair_s * mb.prefill_pairs
             + c.decode_context_s * mb.decode_context)
 
-    def step(self, batches: Sequence[Sequence[MicroBatch]]) -> StepCost:
+    def step(self, batches: Sequence[Sequence[MicroBatch]], *,
+             expert_imbalance: float = 1.0) -> StepCost:
         """The group's step: ``batches[r]`` are rank r's micro-batches (all ranks split the
-        same way: one each, or two with TBO)."""
+        same way: one each, or two with TBO); ``expert_imbalance``: the step's I (with expert
+        parallelism; :mod:`atom.dp.sim.experts`)."""
         max_num_tokens = max(sum(mb.num_tokens for mb in rank) for rank in batches)
         world_size = len(batches)
         busy = [max_num_tokens > 0 if self.expert_parallel else
                 any(not mb.is_dummy for mb in rank) for rank in batches]
         others = [(sum(busy) - b) / max(1, world_size - 1) for b in busy]
         times = [(1 + self.c.contention * o)
-                 * sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens) for mb in rank)
+                 * sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens,
+                                          expert_imbalance=expert_imbalance) for mb in rank)
                  for rank, o in zip(batches, others)]
         slowest = max(range(world_size), key=times.__getitem__)
         compute = times[slowest] if self.slowest_rank else sum(times) / world_size

@@ -10,7 +10,7 @@ import torch
 from atom.dp.eplb.controller import EplbController, initial_phy2log
 from atom.dp.eplb.expert_map import ExpertMap
 from atom.dp.eplb.plan import EplbPlan
-from atom.dp.eplb.replicas import expected_slot_loads, replica_split, replica_table
+from atom.dp.eplb.replicas import replica_split, replica_table
 
 
 def controller(**overrides) -> EplbController:
@@ -63,20 +63,18 @@ def test_slots_that_do_not_divide_by_the_ranks_are_a_clear_error():
         controller(num_redundant=1)
 
 
-def test_replicas_on_the_tokens_own_rank_first_else_spread_by_token_index():
+def test_a_replicated_experts_tokens_spread_over_its_replicas_by_token_index():
     phy2log = np.array([0, 0, 1, 2, 0, 3])  # rank 0: slots 0-2, rank 1: slots 3-5
-    candidates, counts = replica_table(phy2log, num_logical=4, num_ranks=2)
-    assert counts.tolist() == [[2, 1, 1, 1], [1, 1, 1, 1]]
-    assert candidates[0, 0, :2].tolist() == [0, 1]  # rank 0's two replicas of expert 0
-    assert candidates[1, 0, 0] == 4  # rank 1's own replica
-    assert candidates[1, 1, 0] == 2  # expert 1 only on rank 0
-    split = replica_split(EplbPlan.from_phy2log(phy2log[None], 4), 2)
-    loads = expected_slot_loads(np.array([[[4.0, 2, 0, 0]], [[6.0, 0, 0, 2]]]), split)
-    assert loads.tolist() == [[2.0, 2.0, 2.0, 0.0, 6.0, 2.0]]
+    replicas, counts = replica_table(phy2log, num_logical=4)
+    assert counts.tolist() == [3, 1, 1, 1]
+    assert replicas.tolist() == [[0, 1, 4], [2, 2, 2], [3, 3, 3], [5, 5, 5]]
+    split = replica_split(EplbPlan.from_phy2log(phy2log[None], 4))
+    assert split[0, 0].tolist() == pytest.approx([1 / 3, 1 / 3, 0, 0, 1 / 3, 0])
+    assert split[0].sum(axis=1).tolist() == [1.0] * 4
 
 
 class _Dispatched:
-    """The two numbers ExpertMap reads of the expert-parallel dispatcher."""
+    """The numbers ExpertMap reads of the expert-parallel dispatcher."""
 
     def __init__(self, rank: int, max_num_tokens: int, num_tokens: int):
         self.rank, self.world_size = rank, 2
@@ -96,13 +94,12 @@ def test_the_map_applies_the_rule_and_counts_only_this_ranks_real_tokens():
         expert_map.recording = True
         slots[rank] = expert_map.to_slots(ids)
         counts = expert_map.take_counts()
-        mine = slots[rank][3 * rank:3 * rank + 3 - rank]
+        mine = slots[rank][3 * rank:3 * rank + 3 - rank]  # its real tokens, not the padding
         assert counts.tolist() == torch.bincount(mine.flatten(), minlength=6).tolist()
         assert expert_map.take_counts().sum() == 0
     assert torch.equal(slots[0], slots[1])  # every rank routes every token the same way
-    # rows 0-2 from rank 0: expert 0 alternates over its slots 0, 1 by row; rows 3-5 from
-    # rank 1: its own replica, slot 4; expert 1 lives in slot 2, expert 3 in slot 5
-    assert slots[0].tolist() == [[0, 2], [1, 2], [0, 2], [4, 5], [4, 5], [4, 5]]
+    # expert 0 goes round its slots 0, 1, 4 by row; expert 1 lives in slot 2, expert 3 in 5
+    assert slots[0].tolist() == [[0, 2], [1, 2], [4, 2], [0, 5], [1, 5], [4, 5]]
 
 
 def test_fake_uniform_gives_every_expert_the_same_share():
