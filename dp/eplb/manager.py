@@ -119,9 +119,9 @@ class EplbManager:
         controller = self.controller
         local = controller.take_window()
         self._last_local_load = local[:len(self.layers) * controller.num_logical].reshape(
-            len(self.layers), controller.num_logical)
+            len(self.layers), controller.num_logical).copy()
         start = time.perf_counter()
-        totals = all_reduce(torch.from_numpy(local), self.group).numpy()
+        totals = all_reduce(torch.from_numpy(local), self.group).numpy()  # in place
         old = controller.plan
         result = controller.close_window(totals)
         planned = time.perf_counter()
