@@ -88,10 +88,16 @@ class EplbManager:
         self.rebalance_seconds_sum = 0.0
         self.rebalance_seconds_buckets = [0] * (len(REBALANCE_SECONDS_BUCKETS) + 1)
         self.tick_load: list[int] | None = None  # this rank's counts of the last step (trace)
+        self.expert_us: int | None = None  # µs in this rank's experts in the last step (trace)
+        self._expert_ns = 0
+        self._expert_start_ns = 0
+        self._hooks: list = []
         self._last_local_load: np.ndarray | None = None  # this rank's part of the last window
         shards = shard_placement(num_logical, world_size)
         self._move([shards] * len(self.layers))
         self._set_recording()
+        if trace is not None:
+            self._time_experts()
 
     # ----- the step -----
 
@@ -111,6 +117,8 @@ class EplbManager:
             self.tick_load = counts.ravel().tolist()
         else:
             self.tick_load = None
+        if self._hooks:
+            self.expert_us, self._expert_ns = self._expert_ns // 1000, 0
         result = self._close_window(tick) if controller.end_step() else None
         self._set_recording()
         return result
@@ -132,6 +140,8 @@ class EplbManager:
             seconds = time.perf_counter() - start
             self.last_move_ms = (seconds - (planned - start)) * 1e3
             self.rebalance_seconds_sum += seconds
+            if self._hooks:
+                self._time_experts()  # new modules
             self.rebalance_seconds_buckets[int(np.searchsorted(REBALANCE_SECONDS_BUCKETS,
                                                                seconds))] += 1
             self._log.info("EPLB at tick %d (step %d): balancedness %.3f of the window -> %.3f "
@@ -155,6 +165,23 @@ class EplbManager:
                                    rank=self.rank, group=self.group)
             expert_map.set_placement(new_layer)
         return received
+
+    def _time_experts(self) -> None:
+        """Time every local expert's forward (with the trace on: its ``eplb_expert_us``
+        column, this rank's MoE expert compute per step, wall clock)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for layer in self.layers:
+            for expert in layer.local_experts:
+                self._hooks.append(expert.register_forward_pre_hook(self._expert_begins))
+                self._hooks.append(expert.register_forward_hook(self._expert_ends))
+
+    def _expert_begins(self, module, args) -> None:
+        self._expert_start_ns = time.perf_counter_ns()
+
+    def _expert_ends(self, module, args, output) -> None:
+        self._expert_ns += time.perf_counter_ns() - self._expert_start_ns
 
     def _set_recording(self) -> None:
         recording = self.controller.recording

@@ -149,6 +149,7 @@ class EplbRow(NamedTuple):
 
     last_balancedness: float | None
     tick_load: list[int] | None
+    expert_us: None = None  # the real rank's clock; the simulator has none per rank
 
 
 class SimExperts:

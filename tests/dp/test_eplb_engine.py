@@ -2,10 +2,10 @@
 (top-2 of 8 experts, built by transformers; two-batch overlap on, so the counting follows the
 micro-batches too), against the same runs with EPLB off, and the simulator replaying the run.
 
-**The workloads come from the router.** A prompt that repeats one token routes every position
-the same way (identical keys and values: every position's attention output is the same), so
-transformers' ``output_router_logits`` on ``[t] * 8`` gives each token's top-2 experts in every
-layer. Workload A takes the tokens whose top-2 lie in experts 0-3 in both layers: everything
+**The workloads come from the router** (:mod:`atom.benchmarks.eplb`). A prompt that repeats
+one token routes every position the same way (identical keys and values: every position's
+attention output is the same), so transformers' ``output_router_logits`` on ``[t] * 8`` gives
+each token's top-2 experts in every layer. Workload A takes the tokens whose top-2 lie in experts 0-3 in both layers: everything
 lands on rank 0's contiguous shard, and re-placing the experts can balance it. Workload B
 takes the tokens that route to expert 5 in both layers: one expert takes half of every
 layer's (token, expert) pairs, which no re-placement can split: it needs replicas; its tokens
@@ -31,19 +31,20 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
+from atom.benchmarks.eplb import (eplb_windows, hot_expert_tokens, repeated_token_workload,
+                                  router_topk, tokens_within)
 from atom.config import EngineConfig
 from atom.dp.dp_trace import read_trace
 from atom.dp.eplb.plan import balancedness, rank_loads, rebalance
 from atom.dp.sim import RecordedExpertLoad, simulate
 from atom.dp.sim.cost_model import Coefficients, Profile
 from atom.dp.sim.replay import build_dp_engine, drive, idle_rank_stats
-from atom.dp.sim.workload import TraceRequest
 from tests.moe_utils import build_tiny_mixtral
 
-HOT_EXPERT = 5  # workload B's
+HOT_EXPERT = 5  # workload B's (its tokens' other choices spread widest: see the test's print)
 INTERVAL = 6  # ticks: window = interval
+NUM_REQUESTS = 24
 BASE = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_tbo=True,
                     dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=256,
                     enable_prefix_caching=False, skip_tokenizer_init=True, prefill_policy="none")
@@ -53,54 +54,16 @@ PROFILE = Profile(Coefficients(step_s=0.05), model_facts={"max_position_embeddin
                                                         "num_experts": 8})
 
 
-def router_top2(model) -> dict[int, list[set[int]]]:
-    """Each token's top-2 experts per layer, for a prompt repeating it (module docstring)."""
-    tokens = torch.arange(3, model.config.vocab_size)
-    with torch.no_grad():
-        logits = model(input_ids=tokens[:, None].repeat(1, 8), output_router_logits=True
-                       ).router_logits
-    tops = [layer.view(len(tokens), 8, -1)[:, -1].topk(2).indices for layer in logits]
-    return {int(t): [set(top[i].tolist()) for top in tops] for i, t in enumerate(tokens)}
-
-
-NUM_REQUESTS = 24
-
-
-def workload(name: str, tokens: list[int]) -> list[TraceRequest]:
-    return [TraceRequest(f"{name}{i}", (tokens[i % len(tokens)],) * 32, output_len=2,
-                         arrival_tick=i // 2, dp_rank=i % 2) for i in range(NUM_REQUESTS)]
-
-
-def spread_seconds(top2: dict[int, list[set[int]]], candidates: list[int]) -> list[int]:
-    """``NUM_REQUESTS`` tokens from ``candidates`` (repeats allowed), each the one that keeps
-    the most loaded of the other experts (besides :data:`HOT_EXPERT`, over both layers) least
-    loaded once it is added; ties: the smaller token."""
-    counts = np.zeros((2, 8))
-    chosen = []
-    for _ in range(NUM_REQUESTS):
-        def peak(t):
-            added = counts.copy()
-            for layer, experts in enumerate(top2[t]):
-                for e in experts - {HOT_EXPERT}:
-                    added[layer, e] += 1
-            return added.max(), t
-        token = min(candidates, key=peak)
-        for layer, experts in enumerate(top2[token]):
-            for e in experts - {HOT_EXPERT}:
-                counts[layer, e] += 1
-        chosen.append(token)
-    return chosen
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixtral")
-    top2 = router_top2(build_tiny_mixtral(folder))
-    rank0 = [t for t, layers in top2.items() if all(s <= {0, 1, 2, 3} for s in layers)]
-    hot = [t for t, layers in top2.items() if all(HOT_EXPERT in s for s in layers)]
-    assert len(rank0) >= 12 and len(hot) >= 12, (len(rank0), len(hot))
-    return {"folder": str(folder), "A": workload("a", rank0),
-            "B": workload("b", spread_seconds(top2, hot))}
+    top2 = router_topk(build_tiny_mixtral(folder))
+    rank0 = tokens_within(top2, {0, 1, 2, 3})
+    assert len(rank0) >= 12, rank0
+    return {"folder": str(folder),
+            "A": repeated_token_workload("a", rank0, num_requests=NUM_REQUESTS),
+            "B": repeated_token_workload("b", hot_expert_tokens(top2, HOT_EXPERT, NUM_REQUESTS),
+                                         num_requests=NUM_REQUESTS)}
 
 
 def run(setup, workloads: list[str], trace=None, **options) -> dict:
@@ -127,8 +90,9 @@ def off(setup):
 
 
 def windows(folder) -> list[dict]:
-    events = [e for e in read_trace(folder)[0].events if e["event"] == "eplb_window"]
-    return [{k: v for k, v in e.items() if k not in ("plan_ms", "move_ms")} for e in events]
+    """The trace's ``eplb_window`` events without the real run's timings."""
+    return [{k: v for k, v in e.items() if k not in ("plan_ms", "move_ms")}
+            for e in eplb_windows(folder)]
 
 
 def check_run(real: dict, off: dict, folder) -> None:
