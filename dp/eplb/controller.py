@@ -23,8 +23,9 @@ every rank (integer sums; the plan's ties broken by index):
   ranks' routed tokens, vLLM's definition) under the placement it ran on;
 - at or above ``eplb_min_balancedness`` (or nothing routed): the placement stays;
 - else DeepSeek's plan (:func:`atom.dp.eplb.plan.rebalance`) on the window's logical loads;
-  it replaces the placement when it predicts a better balancedness on those loads than the
-  current one does (both with a replicated expert's load split evenly over its replicas).
+  it replaces the placement when it predicts a balancedness on those loads at least
+  :data:`MIN_GAIN` above the current one's (both with a replicated expert's load split evenly
+  over its replicas).
 
 The new placement applies from the next step: the caller moves the weights in between, in the
 same tick, on every rank.
@@ -38,6 +39,10 @@ import numpy as np
 
 from atom.dp.eplb.plan import EplbPlan, balancedness, rank_loads, rebalance
 
+#: the least gain in predicted balancedness a new placement must bring to replace the current
+#: one: windows of the same load differ a little, and near-equal plans would otherwise
+#: alternate at every window, each time pausing every rank for a move
+MIN_GAIN = 0.01
 #: upper bounds (seconds) of the rebalance-time histogram's buckets (``/metrics``)
 REBALANCE_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 
@@ -174,8 +179,9 @@ class EplbController:
             plan = rebalance(logical, num_physical=self.num_physical, num_ranks=self.num_ranks,
                              num_groups=self.num_groups, num_nodes=self.num_nodes)
             predicted = balancedness(rank_loads(logical, plan, self.num_ranks))
-            if predicted <= balancedness(rank_loads(logical, self.plan, self.num_ranks)):
-                plan = predicted = None  # no better placement for this load
+            current = balancedness(rank_loads(logical, self.plan, self.num_ranks))
+            if predicted < current + MIN_GAIN:
+                plan = predicted = None  # no placement worth a move for this load
         if plan is not None:
             self.plan = plan
             self.num_rebalances += 1

@@ -82,21 +82,21 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
         profile_name = str(profile or default_profile_name(config))
         profile = load_profile(profile_name)
     facts = profile.model_facts
+    if config.enable_eplb and routing is None:
+        raise ValueError("EPLB in the simulator balances routed tokens: give it a routing "
+                         "source (atom.dp.sim.experts: ExpertPopularity.zipf or .read, or "
+                         "RecordedExpertLoad.from_trace)")
     if config.enable_expert_parallel:
-        experts = (routing.num_experts if routing is not None
-                   else config.moe_split_experts or facts.get("num_experts"))
-        if not experts or experts < config.data_parallel_size:
+        num_experts = (routing.num_experts if routing is not None
+                       else config.moe_split_experts or facts.get("num_experts"))
+        if not num_experts or num_experts < config.data_parallel_size:
             raise ValueError(f"expert parallelism over {config.data_parallel_size} ranks needs "
-                             f"an MoE model with at least that many experts (got {experts}): "
+                             f"an MoE model with at least that many experts (got {num_experts}): "
                              f"set moe_split_experts")
     if config.num_kv_blocks is None and "kv_cache_bytes_per_token" not in facts:
         raise ValueError("the profile has no kv_cache_bytes_per_token to size the KV pool "
                          "with: set num_kv_blocks")
     kv_bytes_per_block = facts.get("kv_cache_bytes_per_token", 1) * config.block_size
-    if config.enable_eplb and routing is None:
-        raise ValueError("EPLB in the simulator balances routed tokens: give it a routing "
-                         "source (atom.dp.sim.experts: ExpertPopularity.zipf or .read, or "
-                         "RecordedExpertLoad.from_trace)")
     experts = None if routing is None else SimExperts(config, routing,
                                                       num_ranks=config.data_parallel_size)
     sim = Simulator(config, CostModel(profile, expert_parallel=config.enable_expert_parallel,

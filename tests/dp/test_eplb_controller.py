@@ -58,6 +58,13 @@ def test_no_rebalance_when_the_plan_predicts_nothing_better():
     assert result.balancedness == 0.5 and not result.rebalanced and c.num_rebalances == 0
 
 
+def test_a_placement_no_better_than_the_current_by_min_gain_is_kept():
+    c = controller(min_balancedness=1.0)
+    c.record(np.array([[100, 100, 99, 100]]))  # rank loads 200 / 199: the plan gains < 0.01
+    result = c.close_window(c.take_window())
+    assert result.balancedness < 1.0 and not result.rebalanced
+
+
 def test_slots_that_do_not_divide_by_the_ranks_are_a_clear_error():
     with pytest.raises(ValueError, match="eplb_num_redundant_experts"):
         controller(num_redundant=1)
