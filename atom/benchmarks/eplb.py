@@ -120,6 +120,18 @@ def window_compute(folder, *, first_tick: int, last_tick: int) -> dict:
             "max_over_mean": max(per_rank) / mean if mean else 1.0, "num_steps": steps}
 
 
+def rebalance_ticks(folder, tick: int) -> int:
+    """The ticks a rebalance closed at ``tick`` held the group: from ``tick`` to the next tick
+    any rank ran a step in (rank 0's trace rows; every rank steps at the same ticks), so 1 when
+    the next tick's forward already runs the new placement."""
+    from atom.dp.dp_trace import read_trace
+
+    later = [r["tick"] for r in read_trace(folder)[0].rows if r["tick"] > tick]
+    if not later:
+        raise ValueError(f"the trace has no step after the rebalance at tick {tick}")
+    return min(later) - tick
+
+
 def build_mixtral(folder, *, hidden_size: int, intermediate_size: int, num_layers: int):
     """A random top-2-of-8 Mixtral (fp32, a large init scale: peaked router scores), saved to
     ``folder``; returns the transformers model."""
@@ -202,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             "before": {**before, "balancedness": first["balancedness"]},
             "after": {**after, "balancedness": second["balancedness"]},
             "rebalance": {"tick": first["tick"], "plan_ms": first["plan_ms"],
-                          "move_ms": first["move_ms"], "ticks_spanned": 1}}
+                          "move_ms": first["move_ms"],
+                          "ticks_spanned": rebalance_ticks(trace, first["tick"])}}
     print_table(result)
     out = pathlib.Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,7 +235,8 @@ def print_table(result: dict) -> None:
               + ", ".join(f"{v:.1f}" for v in w["per_rank_ms"]) + " |")
     r = result["rebalance"]
     print(f"rebalance at tick {r['tick']}: plan {r['plan_ms']:.1f} ms (with the window's "
-          f"all-reduce), move {r['move_ms']:.1f} ms, within {r['ticks_spanned']} tick; "
+          f"all-reduce), move {r['move_ms']:.1f} ms, the next step {r['ticks_spanned']} tick(s) "
+          f"later; "
           f"workload wall time EPLB off {result['elapsed_s']['eplb_off']:.2f} s, on "
           f"{result['elapsed_s']['eplb_on']:.2f} s; greedy tokens equal: "
           f"{result['tokens_equal']}")

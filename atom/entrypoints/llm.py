@@ -118,7 +118,7 @@ class LLM:
         """EPLB (``enable_eplb``): the tokens routed to each logical expert in the last closed
         window (``eplb_window_size`` ticks before the last rebalance tick), summed over the DP
         ranks: int64 numpy ``[MoE layers, experts]``, zeros before the first window closes.
-        A recorded load for the simulator's skew model (``atom sim run --expert-load``, saved
+        A recorded load for the simulator's skew model (``atom sim run --routing-load``, saved
         with ``numpy.save``). Raises ValueError when EPLB is off."""
         return self._engine.get_expert_load()
 
