@@ -164,6 +164,27 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     """Shard the experts of MoE layers across the DP ranks (tokens travel to the ranks owning
     their experts and back inside every forward); needs an MoE model."""
+    enable_eplb: bool = False
+    """Expert-parallel load balancing (atom.dp.eplb): count the tokens routed to each expert
+    over a window of ticks, and every eplb_step_interval ticks move the experts (and their
+    replicas) so that every rank gets the same share; needs enable_expert_parallel."""
+    eplb_num_redundant_experts: int = 0
+    """EPLB: physical expert slots per MoE layer beyond the model's experts, for replicas of
+    the hottest ones (the total must be a multiple of the DP size); 0 = re-placement only."""
+    eplb_window_size: int = 1000
+    """EPLB: ticks whose routed tokens the plan reads: the last this many of each interval
+    (at most eplb_step_interval; vLLM's default)."""
+    eplb_step_interval: int = 3000
+    """EPLB: ticks between rebalances (every tick counts, dummy batches included, so every
+    rank rebalances at the same tick; vLLM's default)."""
+    eplb_min_balancedness: float = 0.95
+    """EPLB: leave the placement as it is when the window's balancedness (mean over max of the
+    ranks' routed tokens, summed over layers; 1 = perfect) is at least this: a move pauses
+    every rank; 1.0 = rebalance whenever it is not perfect."""
+    eplb_fake_uniform: bool = False
+    """EPLB measurement mode: replace the router's expert choice by a uniform one (every
+    expert and rank gets the same share: the balanced upper bound; ATOM's --fake-eplb). It
+    changes the model's output: never for serving."""
     enable_tbo: bool = False
     """Two-batch overlap: run prefill steps as two micro-batches whose MoE collectives overlap
     the other's compute (across DP ranks, only on steps where every rank can split)."""
@@ -253,6 +274,7 @@ class EngineConfig:
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         self._check_prefill_policy()
+        self._check_eplb()
         self._check_speculative()
         self._check_kv_transfer()
 
@@ -277,6 +299,33 @@ class EngineConfig:
                                  "layer count)")
             if self.draft_num_layers is not None and self.draft_num_layers < 1:
                 raise ValueError(f"draft_num_layers={self.draft_num_layers} must be >= 1")
+
+    def _check_eplb(self) -> None:
+        """The EPLB settings (``__post_init__``; the slot count against the DP size is checked
+        where the model's expert count is known, :mod:`atom.dp.eplb.manager`). Raises
+        ValueError."""
+        for name in ("eplb_window_size", "eplb_step_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 (ticks)")
+        if self.eplb_window_size > self.eplb_step_interval:
+            raise ValueError(f"eplb_window_size={self.eplb_window_size} ticks is longer than "
+                             f"eplb_step_interval={self.eplb_step_interval}: the window is the "
+                             f"end of each interval; shorten it or lengthen the interval")
+        if self.eplb_num_redundant_experts < 0:
+            raise ValueError(f"eplb_num_redundant_experts={self.eplb_num_redundant_experts} "
+                             f"must be >= 0")
+        if not 0.0 <= self.eplb_min_balancedness <= 1.0:
+            raise ValueError(f"eplb_min_balancedness={self.eplb_min_balancedness} must be a "
+                             f"fraction in [0, 1]")
+        uses_eplb = [name for name, off in (("eplb_num_redundant_experts", 0),
+                                            ("eplb_fake_uniform", False))
+                     if getattr(self, name) != off]
+        if uses_eplb and not self.enable_eplb:
+            raise ValueError(f"{', '.join(uses_eplb)} need enable_eplb (--enable-eplb)")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb balances the experts of expert parallelism: set "
+                             "enable_expert_parallel (--enable-expert-parallel) too")
 
     def _check_kv_transfer(self) -> None:
         """The P/D settings (``__post_init__``). Raises ValueError."""
@@ -320,7 +369,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a fraction in (0, 1]")
         if self.data_parallel_size == 1:
             for name, off in (("prefill_policy", (None, "none")), ("prefill_decode_interval", (0,)),
-                              ("dp_trace", (None,))):
+                              ("dp_trace", (None,)), ("enable_eplb", (False,))):
                 if getattr(self, name) not in off:
                     raise ValueError(f"{name}={getattr(self, name)!r} needs data parallelism: "
                                      f"set data_parallel_size > 1 or leave it unset")
@@ -369,11 +418,12 @@ class EngineConfig:
         """This config for a group of ``num_ranks`` ranks (a deployment shrunk by a rank
         failure keeps running the DP loop). At one rank the options that need data parallelism
         (:meth:`_check_prefill_policy`) are turned off, with a warning: the prefill policy
-        (nothing to align with), the decode interval and the trace."""
+        (nothing to align with), the decode interval, the trace and EPLB (nothing to balance)."""
         changes: dict[str, Any] = {"data_parallel_size": num_ranks}
         if num_ranks == 1:
             off = {"prefill_policy": (None, "none"), "prefill_decode_interval": (0,),
-                   "dp_trace": (None,)}
+                   "dp_trace": (None,), "enable_eplb": (False,), "eplb_num_redundant_experts": (0,),
+                   "eplb_fake_uniform": (False,)}
             dropped = {k: v[0] for k, v in off.items() if getattr(self, k) not in v}
             if dropped:
                 import logging

@@ -92,6 +92,7 @@ from atom.dp.tick import (StepCounters, TickAction, TickArrivals, batch_shape, c
 
 if TYPE_CHECKING:
     from atom.dp.dp_trace import TraceWriter
+    from atom.dp.eplb.manager import EplbManager
     from atom.dp.groups import DPGroups
     from atom.dp.prefill_policy import PrefillDecider
     from atom.dp.sync import GatheredBatchShape
@@ -120,16 +121,20 @@ class DPEngineCoreProc(EngineCoreProc):
             elsewhere (other launched ranks), and the parent's exit ends the loop.
         expert_parallel: the model's :class:`~atom.dp.expert_parallel.ExpertParallel`, told
             each step's largest batch after the batch-shape exchange; None without EP.
+        eplb: the rank's :class:`~atom.dp.eplb.manager.EplbManager`, called after every
+            step; None without EPLB.
         trace: the per-tick trace writer (``--dp-trace``; closed by :meth:`close`); None = off.
     """
 
     def __init__(self, core, prefill: PrefillDecider, groups, *, input_addr: str,
                  output_addr: str, front_end: subprocess.Popen | None = None,
-                 expert_parallel=None, trace: TraceWriter | None = None):
+                 expert_parallel=None, eplb: EplbManager | None = None,
+                 trace: TraceWriter | None = None):
         super().__init__(core, input_addr=input_addr, output_addr=output_addr,
                          dp_rank=groups.rank_info.dp_rank)
         self.front_end = front_end
         self.expert_parallel = expert_parallel
+        self.eplb = eplb
         self.prefill = prefill
         self.trace = trace
         self.groups = groups
@@ -173,6 +178,15 @@ class DPEngineCoreProc(EngineCoreProc):
             self.idle = False  # enter a tick: the ranks stop together
 
     def _run_utility(self, call: UtilityCall) -> UtilityResult:
+        from atom.dp.eplb.manager import EPLB_UTILITIES
+
+        if call.method in EPLB_UTILITIES:
+            if self.eplb is None:
+                return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id,
+                                     error=f"{call.method} needs EPLB: start the engine with "
+                                           f"enable_eplb (--enable-eplb)")
+            return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id,
+                                 result=self.eplb.call_utility(call.method))
         result = super()._run_utility(call)
         if call.method == "get_stats" and result.error is None:
             result = UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id,
@@ -180,9 +194,10 @@ class DPEngineCoreProc(EngineCoreProc):
         return result
 
     def dp_stats(self) -> dict[str, int | float]:
-        """Loop counters, the collective log and the prefill policy's counters
+        """Loop counters, the collective log, the prefill policy's counters
         (``prefill_policy_*``: decisions per reason, summing to ``prefill_policy_num_decisions``;
-        identical on every rank)."""
+        identical on every rank) and with EPLB its ``eplb_*`` figures
+        (:meth:`atom.dp.eplb.manager.EplbManager.stats`)."""
         from atom.dp.collectives import process_collective_log
 
         log = process_collective_log()
@@ -192,6 +207,8 @@ class DPEngineCoreProc(EngineCoreProc):
             "num_held_arrivals": len(self.arrivals), "num_late_arrivals": self.num_late_arrivals,
             "collective_count": log.num_collectives, "collective_hash": log.hash_int64}
         out.update({f"prefill_policy_{k}": v for k, v in self.prefill.stats().items()})
+        if self.eplb is not None:
+            out.update(self.eplb.stats())
         return out
 
     def close(self) -> None:
@@ -307,7 +324,7 @@ class DPEngineCoreProc(EngineCoreProc):
 
             self.trace.write(tick_row(dp_rank=self.dp_rank, gathered=gathered, decision=decision,
                                       shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
-                                      end_ns=time.perf_counter_ns()))
+                                      end_ns=time.perf_counter_ns(), eplb=self.eplb))
         return False
 
     def _log_membership_change(self, gathered) -> None:
@@ -355,6 +372,8 @@ class DPEngineCoreProc(EngineCoreProc):
         if sched.is_empty:  # same forward (and collectives) on zero tokens
             core.execute_dummy_batch(two_batch_overlap=tbo)
         self.send_outputs(core.execute(sched, two_batch_overlap=tbo))
+        if self.eplb is not None:  # every step counts, dummy ones too (same tick on every rank)
+            self.eplb.end_step(tick=self.tick - 1)
         return shapes
 
     def _end_wave(self) -> None:
@@ -420,9 +439,17 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
 
             trace = TraceWriter(config.dp_trace, dp_rank=info.dp_rank, dp_size=info.dp_size,
                                 policy=prefill.policy.name, generation=info.restart_count)
+        eplb = None
+        if config.enable_eplb:
+            from atom.dp.eplb.manager import EplbManager
+
+            eplb = EplbManager(config, core.runner.model, expert_parallel, rank=info.dp_rank,
+                               world_size=info.dp_size, trace=trace,
+                               num_nodes=max(1, info.dp_size // info.local_world_size),
+                               timeout_s=config.dp_group_timeout_s)
         proc = DPEngineCoreProc(core, prefill, groups, input_addr=input_addr,
                                 output_addr=output_addr, front_end=front_end,
-                                expert_parallel=expert_parallel, trace=trace)
+                                expert_parallel=expert_parallel, eplb=eplb, trace=trace)
         proc.send_ready()
         proc.run_busy_loop()
     finally:

@@ -9,8 +9,11 @@ reason, this rank's batch shape (prefill tokens, decode sequences, dummy), wheth
 as two micro-batches, and whether some rank prefilled (``any_prefill``) while another did not
 (``mixed``). A tick that ends a wave runs no step and writes no row. The rows of all ranks
 together hold the whole gathered matrix of every tick (each rank contributes its own row).
-Besides rows, a file may hold events (JSON objects with an ``event`` key, e.g. the
-``membership_change`` a group started after a rank failure writes at its tick 0).
+With EPLB a row also has the last closed window's balancedness, this rank's per-slot routed
+tokens of the step and the time its experts computed (:data:`EPLB_COLUMNS`). Besides rows, a file may hold events (JSON
+objects with an ``event`` key, e.g. the ``membership_change`` a group started after a rank
+failure writes at its tick 0, or EPLB's ``eplb_window`` at the end of each interval: the
+window's balancedness, its load per expert, whether it rebalanced, the new placement).
 
 Each start of the group (its generation, ``TORCHELASTIC_RESTART_COUNT``: 0 first, + 1 per
 recovery or launcher restart) writes a folder of its own: ``FOLDER`` for the first,
@@ -50,13 +53,18 @@ CONTROL_COLUMNS = ("has_work", "num_admittable", "num_prefill_tokens", "has_pend
 # this rank's row of the gathered batch shapes, as traced (with a step_ prefix)
 SHAPE_COLUMNS = ("num_tokens", "num_seqs", "num_prefill_tokens", "num_decode_seqs", "is_dummy",
                  "num_spec_tokens")  # rows map to the header's columns: older files lack the last
+# with EPLB: the last closed window's balancedness, this rank's tokens routed to each
+# [MoE layer, physical slot] in the step (flattened; only while the window records) and the µs
+# its experts computed in the step (wall clock); else None
+EPLB_COLUMNS = ("eplb_balancedness", "eplb_load", "eplb_expert_us")
 TRACE_COLUMNS = ("tick", "wave_id", "start_us", "sync_us", "step_us", *CONTROL_COLUMNS,
                  "allow", "reason", "num_consecutive_holds",
-                 *(f"step_{c}" for c in SHAPE_COLUMNS), "tbo", "any_prefill", "mixed")
+                 *(f"step_{c}" for c in SHAPE_COLUMNS), "tbo", "any_prefill", "mixed",
+                 *EPLB_COLUMNS)  # rows map to the header's columns: older files lack these
 
 
 def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_ns: int,
-             end_ns: int) -> tuple:
+             end_ns: int, eplb=None) -> tuple:
     """One trace row (:data:`TRACE_COLUMNS`) from a stepping tick's values.
 
     Args:
@@ -66,6 +74,9 @@ def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_
         shapes: the tick's :class:`~atom.dp.sync.GatheredBatchShape`.
         start_ns, synced_ns, end_ns: ``time.perf_counter_ns()`` at the tick's start, after the
             control sync, and after the step.
+        eplb: what has the EPLB columns: an :class:`~atom.dp.eplb.manager.EplbManager` (or the
+            simulator's stand-in) with ``last_balancedness``, ``tick_load`` and ``expert_us``;
+            None = off.
     """
     r = dp_rank
     prefill = shapes.has_prefill.tolist()  # plain Python on [world_size] lists: cheaper than
@@ -75,7 +86,9 @@ def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_
             *[getattr(gathered, c).item(r) for c in CONTROL_COLUMNS],
             decision.allow, decision.reason.value, decision.num_consecutive_holds,
             *[getattr(shapes, c).item(r) for c in SHAPE_COLUMNS],
-            all(shapes.tbo_eligible.tolist()), any_prefill, any_prefill and not all(prefill))
+            all(shapes.tbo_eligible.tolist()), any_prefill, any_prefill and not all(prefill),
+            *((None,) * len(EPLB_COLUMNS) if eplb is None
+              else (eplb.last_balancedness, eplb.tick_load, eplb.expert_us)))
 
 
 def trace_header(*, dp_rank: int, dp_size: int, policy: str, wall_minus_perf_us: int,

@@ -123,6 +123,18 @@ class ExpertParallel:
         work = reduce_scatter_tensor_async(out, partial.contiguous(), self.group)
         return PendingTokens(work, out[:num_tokens])
 
+    def computing_rows(self) -> tuple[int, int]:
+        """``(M, T)`` of the micro-batch whose experts run now (the oldest dispatched and not
+        yet combined): the gathered batch holds ``M`` rows per rank, this rank's ``T`` real
+        tokens first in its block of rows ``[rank*M, rank*M + T)``, then padding.
+
+        Raises:
+            RuntimeError: no micro-batch is dispatched.
+        """
+        if not self._num_tokens or self.max_num_tokens is None:
+            raise RuntimeError("expert parallel: no micro-batch is dispatched")
+        return self.max_num_tokens, self._num_tokens[0]
+
     def _step_max(self, num_tokens: int) -> int:
         m = self.max_num_tokens
         if m is None:

@@ -95,7 +95,9 @@ _MAX_FAILURES_KEPT = 8  # rank failures remembered for /health
 _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "collective_hash",
                          "idle", "num_waves_completed", "num_steps", "num_prefill_steps",
                          "num_mixed_prefill_steps", "num_tbo_steps", "num_spec_steps"))
-_NOT_SUMMED_PREFIXES = ("prefill_policy_",)  # the prefill decisions: identical on every rank
+# the prefill decisions and EPLB's figures: identical on every rank (EPLB's timings are each
+# rank's own: the merged view shows the slowest)
+_NOT_SUMMED_PREFIXES = ("prefill_policy_", "eplb_")
 
 
 def merge_rank_results(results: list[dict]) -> dict:
@@ -107,15 +109,20 @@ def merge_rank_results(results: list[dict]) -> dict:
         for key, value in result.items():
             if key not in merged:
                 merged[key] = value
-            elif (isinstance(value, bool) or key in _NOT_SUMMED
-                  or key.startswith(_NOT_SUMMED_PREFIXES)):
-                merged[key] = max(merged[key], value)
+            elif isinstance(value, list):  # a histogram's buckets: element by element
+                merged[key] = [_merge_value(key, a, b) for a, b in zip(merged[key], value)]
             else:
-                merged[key] += value
+                merged[key] = _merge_value(key, merged[key], value)
     if len(results) > 1 and "prefix_cache_hit_rate" in merged:
         queries = merged["prefix_cache_queries"]
         merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / queries if queries else 0.0
     return merged
+
+
+def _merge_value(key: str, a, b):
+    if isinstance(b, bool) or key in _NOT_SUMMED or key.startswith(_NOT_SUMMED_PREFIXES):
+        return max(a, b)
+    return a + b
 
 
 class EngineCoreClient(abc.ABC):

@@ -303,6 +303,38 @@ class LLMEngine:
         """Each DP rank's stats (one rank: ``[get_stats()]``); recovers as :meth:`get_stats`."""
         return self._call_recovering(self.client.get_rank_stats)
 
+    def get_expert_load(self):
+        """EPLB's last closed window: the tokens routed to each logical expert, int64 numpy
+        ``[MoE layers, experts]``, summed over the ranks (each rank counts the tokens it
+        dispatched); zeros before the first window closes. Recovers as :meth:`get_stats`.
+
+        Raises:
+            ValueError: EPLB is off (``enable_eplb``).
+            EngineDeadError: the deployment cannot go on.
+        """
+        return sum(_as_array(r) for r in self._eplb_utility("get_expert_load"))
+
+    def get_expert_placement(self):
+        """EPLB's current placement: the logical expert of each physical slot, int64 numpy
+        ``[MoE layers, slots]`` (``phy2log``; rank ``r`` owns the ``r``-th run of ``slots /
+        DP size`` slots). Recovers as :meth:`get_stats`.
+
+        Raises:
+            ValueError: EPLB is off (``enable_eplb``).
+            RuntimeError: the ranks report different placements (they must never).
+            EngineDeadError: the deployment cannot go on.
+        """
+        placements = [_as_array(r) for r in self._eplb_utility("get_expert_placement")]
+        if any((p != placements[0]).any() for p in placements[1:]):
+            raise RuntimeError(f"the DP ranks hold different expert placements: {placements}")
+        return placements[0]
+
+    def _eplb_utility(self, method: str) -> list[dict]:
+        if not self.config.enable_eplb:
+            raise ValueError(f"{method} reads EPLB's state: start the engine with enable_eplb "
+                             f"(--enable-eplb; it needs data and expert parallelism)")
+        return self._call_recovering(lambda: self.client.call_utility_per_rank(method))
+
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's prefix cache (cached blocks no running sequence uses go back to
         the free list, an ``AllBlocksCleared`` KV event is published). True when every rank
@@ -344,3 +376,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the engine-core process, if any (idempotent)."""
         self.client.shutdown()
+
+
+def _as_array(result: dict):
+    """A ``{"shape": [...], "values": [...]}`` utility result as an int64 numpy array."""
+    import numpy as np
+
+    return np.asarray(result["values"], dtype=np.int64).reshape(result["shape"])

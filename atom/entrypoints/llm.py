@@ -109,8 +109,24 @@ class LLM:
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
         collective count and hash, prefill policy counters, the router's counters for the
-        rank); one rank: ``[get_stats()]``."""
+        rank; with EPLB ``eplb_balancedness`` of the last closed window, ``eplb_num_rebalances``,
+        the last rebalance's ``eplb_last_plan_ms`` and ``eplb_last_move_ms``); one rank:
+        ``[get_stats()]``."""
         return self._engine.get_rank_stats()
+
+    def get_expert_load(self):
+        """EPLB (``enable_eplb``): the tokens routed to each logical expert in the last closed
+        window (``eplb_window_size`` ticks before the last rebalance tick), summed over the DP
+        ranks: int64 numpy ``[MoE layers, experts]``, zeros before the first window closes.
+        A recorded load for the simulator's skew model (``atom sim run --routing-load``, saved
+        with ``numpy.save``). Raises ValueError when EPLB is off."""
+        return self._engine.get_expert_load()
+
+    def get_expert_placement(self):
+        """EPLB (``enable_eplb``): the current placement, the logical expert of each physical
+        slot, int64 numpy ``[MoE layers, slots]`` (rank ``r`` owns the ``r``-th run of
+        ``slots / DP size``). Raises ValueError when EPLB is off."""
+        return self._engine.get_expert_placement()
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache of every rank, as vLLM's ``LLM.reset_prefix_cache``: the next

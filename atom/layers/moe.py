@@ -71,6 +71,16 @@ class Dispatcher(Protocol):
         """:meth:`combine` with its collective left in flight (two-batch overlap)."""
 
 
+class ExpertPlacement(Protocol):
+    """Where each routed expert is computed, when experts are re-placed or replicated across
+    ranks (expert-parallel load balancing, :mod:`atom.dp.eplb`, installs one per layer)."""
+
+    def to_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids int64 ``[N, k]`` of the dispatched tokens → the physical expert slot
+        that computes each, int64 ``[N, k]`` (the slots ``local_experts`` holds are
+        ``expert_start ..``)."""
+
+
 # ----- routing -----
 
 
@@ -143,7 +153,8 @@ class MoE(nn.Module):
             clamped activation) passes its own (a class, or a ``functools.partial`` of one).
 
     Parameters (run dtype): ``router.weight`` ``[E, hidden]`` (absent with unit gates) and one
-    expert module per local expert, ``local_experts[i]`` being expert ``expert_start + i``; the
+    expert module per local expert, ``local_experts[i]`` being expert ``expert_start + i`` (with a
+    ``placement``: physical slot ``expert_start + i``, holding the expert the placement says); the
     default :class:`~atom.layers.mlp.GatedMLP` has ``gate_up_proj.weight``
     ``[2 * intermediate, hidden]`` (gate rows first, then up) and ``down_proj.weight``
     ``[hidden, intermediate]``, so every expert's linears are packed for oneDNN like the dense
@@ -174,7 +185,9 @@ class MoE(nn.Module):
         self.local_experts = nn.ModuleList(expert_class(hidden_size, intermediate_size)
                                            for _ in range(start, end))
         self.expert_start = start
+        self.expert_class = expert_class
         self.dispatcher: Dispatcher | None = None
+        self.placement: ExpertPlacement | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -237,7 +250,10 @@ class MoE(nn.Module):
         The ``N * k`` (token, expert) pairs are sorted by expert once, so each expert with work
         runs on one contiguous slice of gathered rows (three ops: its fused gate/up GEMM,
         SiLU-and-mul, down GEMM), and the weighted outputs go back to their pairs with one
-        ``index_copy_`` and are summed over the k slots (no per-expert scatter-add)."""
+        ``index_copy_`` and are summed over the k slots (no per-expert scatter-add). With a
+        ``placement``, ``ids`` go to their physical slots first."""
+        if self.placement is not None:
+            ids = self.placement.to_slots(ids)
         n, k = ids.shape
         out = x.new_zeros(n * k, x.shape[1])
         local = (ids - self.expert_start).flatten()

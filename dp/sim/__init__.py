@@ -33,13 +33,15 @@ from collections.abc import Sequence
 from atom.config import EngineConfig
 from atom.dp.sim import workload
 from atom.dp.sim.cost_model import CostModel, Profile, list_profiles, load_profile
+from atom.dp.sim.experts import (ExpertPopularity, RecordedExpertLoad, RoutingSource,
+                                 SimExperts)
 from atom.dp.sim.metrics import format_sweep, format_table, run_header, sim_result
 from atom.dp.sim.simulator import Simulator, run_timed
 from atom.dp.sim.workload import TraceRequest, read_workload
 
 __all__ = ["simulate", "default_profile_name", "load_profile", "list_profiles", "Profile",
            "TraceRequest", "read_workload", "workload", "format_table", "format_sweep",
-           "run_header"]
+           "run_header", "ExpertPopularity", "RecordedExpertLoad"]
 
 DENSE_PROFILE = "smollm2-fp32-cpu"
 MOE_PROFILE = "smollm2-moe4-fp32-cpu"
@@ -55,7 +57,7 @@ def default_profile_name(config: EngineConfig) -> str:
 def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
              profile: Profile | str | pathlib.Path | None = None, *, name: str | None = None,
              trace_dir: str | pathlib.Path | None = None, slowest_rank: bool = True,
-             dummy_cost: bool = True) -> dict:
+             dummy_cost: bool = True, routing: RoutingSource | None = None) -> dict:
     """Simulate ``requests`` on the deployment ``config`` describes; returns the result dict
     (:mod:`atom.dp.sim.metrics`).
 
@@ -68,31 +70,41 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
         name: the run's label (default: the policy).
         trace_dir: write the per-tick trace there (the ``--dp-trace`` format).
         slowest_rank, dummy_cost: the cost model's rules (off only for ablations).
+        routing: where the routed tokens go (:mod:`atom.dp.sim.experts`: a skew model, or a
+            real run's recorded counts); with expert parallelism the step's expert compute
+            follows it, and ``enable_eplb`` runs EPLB's controller on it. None = balanced.
     Raises:
-        ValueError: a bad workload, a profile that cannot be read, or expert parallelism on a
-            model with fewer experts than ranks.
+        ValueError: a bad workload, a profile that cannot be read, expert parallelism on a
+            model with fewer experts than ranks, or EPLB without a routing source.
     """
     profile_name = None  # a Profile object given in memory has no name
     if not isinstance(profile, Profile):
         profile_name = str(profile or default_profile_name(config))
         profile = load_profile(profile_name)
     facts = profile.model_facts
+    if config.enable_eplb and routing is None:
+        raise ValueError("EPLB in the simulator balances routed tokens: give it a routing "
+                         "source (atom.dp.sim.experts: ExpertPopularity.zipf or .read, or "
+                         "RecordedExpertLoad.from_trace)")
     if config.enable_expert_parallel:
-        experts = config.moe_split_experts or facts.get("num_experts")
-        if not experts or experts < config.data_parallel_size:
+        num_experts = (routing.num_experts if routing is not None
+                       else config.moe_split_experts or facts.get("num_experts"))
+        if not num_experts or num_experts < config.data_parallel_size:
             raise ValueError(f"expert parallelism over {config.data_parallel_size} ranks needs "
-                             f"an MoE model with at least that many experts (got {experts}): "
+                             f"an MoE model with at least that many experts (got {num_experts}): "
                              f"set moe_split_experts")
     if config.num_kv_blocks is None and "kv_cache_bytes_per_token" not in facts:
         raise ValueError("the profile has no kv_cache_bytes_per_token to size the KV pool "
                          "with: set num_kv_blocks")
     kv_bytes_per_block = facts.get("kv_cache_bytes_per_token", 1) * config.block_size
+    experts = None if routing is None else SimExperts(config, routing,
+                                                      num_ranks=config.data_parallel_size)
     sim = Simulator(config, CostModel(profile, expert_parallel=config.enable_expert_parallel,
                                       slowest_rank=slowest_rank, dummy_cost=dummy_cost),
                     num_kv_blocks=config.resolved_num_kv_blocks(kv_bytes_per_block),
                     max_model_len=config.resolved_max_model_len(
                         facts.get("max_position_embeddings", 8192)),
-                    trace_dir=trace_dir)
+                    trace_dir=trace_dir, experts=experts)
     host_s, cpu_s = run_timed(sim, requests)
     result = sim_result(sim, name=name or sim.decider.policy.name, host_s=host_s, cpu_s=cpu_s)
     result["profile"] = profile_name

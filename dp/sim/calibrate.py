@@ -14,12 +14,12 @@ Two parts, both on the real engine:
    run's, tick for tick) with the grid's coefficients, and every tick's duration for the
    group (:func:`group_step_durations`) is fitted, by non-negative least squares in seconds,
    as ``compute_scale`` × the grid's slowest-rank compute × (1 + ``contention`` × the share
-   of the other ranks computing beside it) + ``tick_s``, over :data:`GROUP_REPLAYS` replays;
-   with expert
-   parallelism a second replay, the experts now sharded, fits ``ep_fixed_s`` and ``ep_row_s``
-   per micro-batch on what that leaves. The grid gives the relative costs of batch shapes;
-   the real ranks, which share the cores with each other, the front end and whatever else
-   runs, give their level.
+   of it the other ranks spend computing beside it,
+   :func:`~atom.dp.sim.cost_model.overlap_shares`) + ``tick_s``, over :data:`GROUP_REPLAYS`
+   replays; with expert parallelism a second replay, the experts now sharded, fits
+   ``ep_fixed_s`` and ``ep_row_s`` per micro-batch on what that leaves. The grid gives the
+   relative costs of batch shapes; the real ranks, which share the cores with each other, the
+   front end and whatever else runs, give their level.
 
 The profile records the machine (CPU model and flags, threads), dtype, model, date, the raw
 measurements and both fits' errors. Runs take a minute or two each on two cores.
@@ -242,12 +242,12 @@ def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
     (with ``coefficients``); fit the group's terms on every tick's duration of every replay.
     Without expert parallelism: ``compute_scale``, ``contention`` and ``tick_s``
     (``coefficients`` holds the grid's only): the tick lasts ``compute_scale`` × the grid's
-    slowest-rank compute × (1 + ``contention`` × the share of the other ranks computing) +
-    ``tick_s``. With it: ``ep_fixed_s`` and ``ep_row_s`` on what the level, the contention
-    and the tick, fitted before on the same model without expert parallelism (in
-    ``coefficients``), leave: the compute and the EP rows both grow with the step's tokens,
-    so fitted together the collectives would take the compute's share. Returns the terms and
-    the fit's errors."""
+    slowest-rank compute × (1 + ``contention`` × the share of it the other ranks spend
+    computing beside it) + ``tick_s``. With it: ``ep_fixed_s`` and ``ep_row_s`` on what the
+    level, the contention and the tick, fitted before on the same model without expert
+    parallelism (in ``coefficients``), leave: the compute and the EP rows both grow with the
+    step's tokens, so fitted together the collectives would take the compute's share. Returns
+    the terms and the fit's errors."""
     from atom.dp.dp_trace import read_trace
     from atom.dp.sim.replay import run_real
 

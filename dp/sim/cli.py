@@ -3,6 +3,8 @@ other ``atom`` commands; ``--data-parallel-size`` is the number of virtual ranks
 
 - ``atom sim run --workload NAME|FILE``: one simulated run; prints the table, writes JSON
   (``--output-json``) and, with ``--trace-dir``, the per-tick trace of every virtual rank;
+  with ``--routing-zipf S`` or ``--routing-load FILE`` the MoE tokens follow a routing skew
+  (:mod:`atom.dp.sim.experts`), and ``--enable-eplb`` balances it;
 - ``atom sim sweep --workloads ... --dp-sizes ... --policies ...``: a sweep, its JSON and PNG;
 - ``atom sim calibrate``: measure this machine (the real model runner, then a short real DP
   run) and write a profile JSON (``--output``);
@@ -74,19 +76,40 @@ def _write_json(path: str, data) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def _routing(args: argparse.Namespace):
+    """The routing-skew model of ``--routing-zipf`` / ``--routing-load``, or None."""
+    from atom.dp.sim.experts import ExpertPopularity
+
+    if args.routing_load is not None:
+        return ExpertPopularity.read(args.routing_load, top_k=args.routing_top_k)
+    if args.routing_zipf is not None:
+        return ExpertPopularity.zipf(args.routing_layers, args.routing_experts,
+                                     top_k=args.routing_top_k, exponent=args.routing_zipf,
+                                     seed=args.workload_seed)
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from atom.dp.sim import format_table, run_header, simulate
 
     config = config_from_args(args)
     result = simulate(_workload(args, config.data_parallel_size), config, args.profile,
                       name=args.name, trace_dir=args.trace_dir,
-                      slowest_rank=args.slowest_rank, dummy_cost=args.dummy_cost)
+                      slowest_rank=args.slowest_rank, dummy_cost=args.dummy_cost,
+                      routing=_routing(args))
     result["workload"] = _workload_label(args)
     print("\n".join(run_header(result)))
     print(format_table([result]))
     sim = result["sim"]
     print(f"simulated {sim['simulated_s']:.1f} s in {sim['cpu_s']:.2f} CPU s "
           f"({sim['num_ticks']} ticks, {sim['cpu_us_per_tick']:.0f} µs per tick)")
+    experts = result.get("experts")
+    if experts is not None:
+        windows = experts.get("windows", [])
+        print(f"experts: mean step imbalance {experts['mean_imbalance']:.2f}"
+              + (f"; EPLB windows {len(windows)}, balancedness first "
+                 f"{windows[0]['balancedness']:.3f}, last {windows[-1]['balancedness']:.3f}, "
+                 f"{experts['num_rebalances']} rebalance(s)" if windows else ""))
     if args.output_json:
         _write_json(args.output_json, result)
     return 0
@@ -167,6 +190,17 @@ def add_sim_parser(sub, fmt) -> None:
                      help="the group waits for its slowest rank (off: the mean; ablation)")
     run.add_argument("--dummy-cost", action=argparse.BooleanOptionalAction, default=True,
                      help="dummy batches cost time (off: nothing; ablation)")
+    routing = run.add_mutually_exclusive_group()
+    routing.add_argument("--routing-zipf", type=float, metavar="EXPONENT",
+                         help="route the MoE tokens with a Zipf expert popularity (expert "
+                              "parallelism: the experts' imbalance costs time; needed by "
+                              "--enable-eplb)")
+    routing.add_argument("--routing-load", metavar="FILE",
+                         help="route with the popularity of a recorded LLM.get_expert_load() "
+                              "(.npy or JSON [layers, experts])")
+    run.add_argument("--routing-experts", type=int, default=64, help="with --routing-zipf")
+    run.add_argument("--routing-layers", type=int, default=8, help="with --routing-zipf")
+    run.add_argument("--routing-top-k", type=int, default=4, help="experts per token")
     run.set_defaults(func=cmd_run)
 
     sw = sim_sub.add_parser("sweep", help="policy x DP size x workload", formatter_class=fmt)

@@ -7,8 +7,8 @@ Only the forward pass is modelled; every decision comes from the engine's own co
     micro-batch on rank r   c_r = k·(step_s + token_s·T_r + mlp_token_s·R + sampled_s·S_r
                                      + seq_s·N_r + prefill_pair_s·P_r + decode_context_s·D_r)
     a dummy micro-batch     c_r = k·(dummy_s + mlp_token_s·R)         (no tokens of its own)
-    rank r's step           t_r = (1 + contention·b_r/(W-1)) · Σ over its micro-batches
-                                  (1, or 2 with TBO)
+    rank r's step           t_r = (1 + contention·b_r/(W-1)) · c_r,  c_r = Σ over its
+                                  micro-batches (1, or 2 with TBO)
     EP collectives          e   = n_mb · (ep_fixed_s + ep_row_s·M·(W-1))     (M > 0)
     the group's step        t   = max_r t_r + e + tick_s
     rank r's outputs        at tick_s + t_r after the step's start (no EP: a rank sends its
@@ -20,26 +20,36 @@ T tokens of the micro-batch, S sequences sampled (the LM head and the sampler), 
 P prefill attention pairs (Σ over prompt chunks of n·(c + (n+1)/2): n new tokens after c
 computed ones), D decode context tokens (Σ context lengths of the decodes), M the step's
 largest token count over the ranks, W the DP size, n_mb the micro-batches, k the
-``compute_scale`` (the real ranks' compute relative to the calibration grid's), b_r the
-number of other ranks that compute in the step (a real batch, or with expert parallelism any
-batch of a step with M > 0). ``contention`` is how much slower a rank computes while the
-others compute too: ranks that share a machine's memory bandwidth and caches (CPU ranks on
-one socket) slow each other; ranks on their own accelerators do not (0). Without
+``compute_scale`` (the real ranks' compute relative to the calibration grid's), b_r how much of
+rank r's compute the other ranks spend computing too: Σ over the other ranks that compute (a
+real batch, or with expert parallelism any batch of a step with M > 0) of
+min(c_r, c_s) / c_r (:func:`overlap_shares`: the ranks start together, and a rank that is done
+stops contending). ``contention`` is how much slower a rank computes while the others compute
+too: ranks that share a machine's memory bandwidth and caches (CPU ranks on one socket) slow
+each other; ranks on their own accelerators do not (0). (Until issue 39, b_r counted every
+other rank that computed at all, for the whole of rank r's compute: a long prefill beside a
+short decode paid the contention for its whole length, and the model over-predicted the
+steps without a prefill policy by about 20 % on a Zen 4 VM.) Without
 expert parallelism ``token_s`` covers the MLP and R = 0; with it every rank runs its experts
 on the W·M padded rows of every rank at 1/W of the experts, so the MLP's share of
-``token_s`` (``mlp_token_s``) moves to R = M rows, dummy batches included. ``tick_s`` is the
-per-tick overhead outside the forward (the two gathers, scheduling, outputs).
+``token_s`` (``mlp_token_s``) moves to R = M·I rows, dummy batches included, where I is the
+step's expert imbalance (Σ_layers max-over-ranks / Σ_layers mean-over-ranks of the routed
+tokens: every layer's combine waits for its busiest rank; 1 when balanced, the default, and
+from a routing-skew model and the placement otherwise: :mod:`atom.dp.sim.experts`).
+``tick_s`` is the per-tick overhead outside the forward (the two gathers, scheduling,
+outputs).
 
 Where it is a guess: the per-rank terms are measured on this machine's model runner; the EP
 and tick terms are fitted on W = 2 real runs, so the ``(W-1)`` bandwidth factor (ring
 all-gather / reduce-scatter) and a W-independent latency are assumptions beyond W = 2; TBO
 overlaps nothing here (the CPU collectives compete with the compute: docs/PERFORMANCE.md).
-``contention`` is fitted at W = 2 (one other rank); that it grows with the fraction of the
-other ranks that compute is an assumption beyond.
+``contention`` is fitted at W = 2 (one other rank); that it grows with the other ranks'
+overlapping compute is an assumption beyond.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import pathlib
@@ -68,7 +78,7 @@ class Coefficients:
     tick_s: float = 0.0
     wake_s: float = 0.0  # an idle group's first tick after a request arrives
     compute_scale: float = 1.0  # real ranks' compute ÷ the grid's (calibrate.fit_group)
-    contention: float = 0.0  # a rank's slow-down with every other rank computing (fit_group)
+    contention: float = 0.0  # a rank's slow-down while every other rank computes beside it
 
     def __post_init__(self):
         negative = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
@@ -189,6 +199,31 @@ class StepCost:
         return self.compute_s + self.ep_s + self.tick_s
 
 
+def overlap_shares(alone: Sequence[float], busy: Sequence[bool]) -> list[float]:
+    """Each rank's b_r/(W-1) (module docstring): the mean over the other ranks that compute
+    (``busy``) of the fraction of rank r's own compute ``alone[r]`` they spend computing too,
+    ``min(c_r, c_s) / c_r`` (every rank starts the step at once; one that finishes stops
+    contending), over W - 1 (the ranks that do not compute count 0); 0 for a rank without
+    compute or alone in its group. Sorted prefix sums: O(W log W)."""
+    world_size = len(alone)
+    if world_size < 2:
+        return [0.0] * world_size
+    active = sorted(c for c, b in zip(alone, busy) if b)
+    prefix = [0.0]
+    for c in active:
+        prefix.append(prefix[-1] + c)
+    out = []
+    for c, b in zip(alone, busy):
+        if c <= 0:
+            out.append(0.0)
+            continue
+        shorter = bisect.bisect_left(active, c)  # the busy ranks that finish before r
+        overlap = prefix[shorter] + c * (len(active) - shorter)  # Σ min(c_r, c_s), r included
+        overlap -= c if b else 0.0  # not itself
+        out.append(overlap / (c * (world_size - 1)))
+    return out
+
+
 class CostModel:
     """Step durations from a :class:`Profile` (module docstring's form).
 
@@ -207,11 +242,14 @@ class CostModel:
         self.slowest_rank = slowest_rank
         self.dummy_cost = dummy_cost
 
-    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int) -> float:
-        """One micro-batch's compute on one rank (``max_num_tokens``: the step's M)."""
+    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int,
+                      expert_imbalance: float = 1.0) -> float:
+        """One micro-batch's compute on one rank (``max_num_tokens``: the step's M;
+        ``expert_imbalance``: the step's I, 1 when the experts' tokens are balanced)."""
         c = self.c
         if self.expert_parallel:  # the MLP's share of token_s moves to the M padded rows
-            per_token, mlp = max(0.0, c.token_s - c.mlp_token_s), c.mlp_token_s * max_num_tokens
+            per_token = max(0.0, c.token_s - c.mlp_token_s)
+            mlp = c.mlp_token_s * max_num_tokens * expert_imbalance
         else:
             per_token, mlp = c.token_s, 0.0
         if mb.is_dummy:
@@ -221,17 +259,20 @@ class CostModel:
             + c.seq_s * mb.num_seqs + c.prefill_pair_s * mb.prefill_pairs
             + c.decode_context_s * mb.decode_context)
 
-    def step(self, batches: Sequence[Sequence[MicroBatch]]) -> StepCost:
+    def step(self, batches: Sequence[Sequence[MicroBatch]], *,
+             expert_imbalance: float = 1.0) -> StepCost:
         """The group's step: ``batches[r]`` are rank r's micro-batches (all ranks split the
-        same way: one each, or two with TBO)."""
+        same way: one each, or two with TBO); ``expert_imbalance``: the step's I (with expert
+        parallelism; :mod:`atom.dp.sim.experts`)."""
         max_num_tokens = max(sum(mb.num_tokens for mb in rank) for rank in batches)
         world_size = len(batches)
         busy = [max_num_tokens > 0 if self.expert_parallel else
                 any(not mb.is_dummy for mb in rank) for rank in batches]
-        others = [(sum(busy) - b) / max(1, world_size - 1) for b in busy]
-        times = [(1 + self.c.contention * o)
-                 * sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens) for mb in rank)
-                 for rank, o in zip(batches, others)]
+        alone = [sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens,
+                                        expert_imbalance=expert_imbalance) for mb in rank)
+                 for rank in batches]
+        others = overlap_shares(alone, busy)
+        times = [(1 + self.c.contention * o) * t for t, o in zip(alone, others)]
         slowest = max(range(world_size), key=times.__getitem__)
         compute = times[slowest] if self.slowest_rank else sum(times) / world_size
         num_micro_batches = len(batches[0])

@@ -118,6 +118,7 @@ def sim_result(sim, *, name: str, host_s: float, cpu_s: float) -> dict:
         **step_metrics(counters, num_ranks=num_ranks, policy_stats=sim.decider.stats()),
         **latency_metrics(ttft_s=ttft, tpot_s=tpot, itl_s=itl),
         "per_rank": _per_rank(sim),
+        **({} if sim.experts is None else {"experts": sim.experts.summary()}),
         "sim": {"num_ticks": sim.tick, "host_s": host_s, "cpu_s": cpu_s,
                 "cpu_us_per_tick": cpu_s / max(1, sim.tick) * 1e6,
                 "simulated_s": sim.now_s,

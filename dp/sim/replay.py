@@ -51,7 +51,7 @@ def run_real(workload: Sequence[TraceRequest], config: EngineConfig, *, name: st
     clock = workload_clock(workload)
     engine = build_dp_engine(config)
     try:
-        finished, token_times, elapsed_s = _drive(engine, workload, tick_clocked=clock == "tick")
+        finished, token_times, elapsed_s = drive(engine, workload, tick_clocked=clock == "tick")
         errors = [o.outputs[0].error for o in finished.values()
                   if o.outputs[0].finish_reason not in ("length", "stop")]
         if errors:
@@ -62,10 +62,13 @@ def run_real(workload: Sequence[TraceRequest], config: EngineConfig, *, name: st
     return real_result(name, config, finished, token_times, ranks, elapsed_s)
 
 
-def _drive(engine, workload: Sequence[TraceRequest], *, tick_clocked: bool):
-    """Send the requests by their clock, step until every one finished; returns the finished
-    outputs, each request's token arrival times (front-end clock) and the elapsed seconds
-    from the first send to the last finish."""
+def drive(engine, workload: Sequence[TraceRequest], *, tick_clocked: bool):
+    """Send ``workload``'s requests to ``engine`` (an :class:`atom.engine.llm_engine.LLMEngine`)
+    by their clock, step until every one finished; returns the finished outputs
+    (:class:`~atom.outputs.RequestOutput` by request id), each request's token arrival times
+    (front-end clock) and the elapsed seconds from the first send to the last finish. An
+    engine may take several workloads one after the other (each tick-clocked one is a wave of
+    its own)."""
     def send(request: TraceRequest) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         engine.add_request(request.request_id, list(request.prompt_token_ids), params,

@@ -20,6 +20,11 @@ rank, with the two all-gathers replaced by gathering the same values in memory:
    finished requests release their router load, and with a trace folder every rank's row is
    written in the ``--dp-trace`` format (:mod:`atom.dp.dp_trace`, on the simulated clock).
 
+With a routing source (:mod:`atom.dp.sim.experts`), step 5 first routes the step's tokens:
+the cost model's expert compute follows the step's imbalance over the ranks, and with
+``enable_eplb`` EPLB's own controller records the counts, closes its windows and switches its
+placement at the same steps as the real ranks (an ``eplb_window`` event in the trace).
+
 Time-clocked workloads (``arrival_s``): an idle group wakes at the next arrival (plus the
 profile's ``wake_s``); a request that arrives during a step waits for the next tick, as on
 the real front end. Tick-clocked workloads (``arrival_tick``) replay as the real engine does
@@ -30,6 +35,7 @@ visible at tick ``arrival_tick`` of the one wave the replay runs. Imports no tor
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 from collections import deque
@@ -41,6 +47,7 @@ from atom.dp.prefill_decision import Decision
 from atom.dp.prefill_policy import make_prefill_decider
 from atom.dp.router import CacheAwareSettings, DPRouter
 from atom.dp.sim.cost_model import CostModel, StepCost
+from atom.dp.sim.experts import SimExperts
 from atom.dp.sim.rank import RequestRecord, SimRank
 from atom.dp.sim.workload import TraceRequest, workload_clock
 from atom.dp.sync import GatheredBatchShape, GatheredControl
@@ -67,6 +74,12 @@ class SimTraceWriter:
     def write(self, dp_rank: int, row: tuple) -> None:
         self._files[dp_rank].write(format_row(row) + "\n")
 
+    def write_event(self, event: dict) -> None:
+        """One event (a JSON object with an ``event`` key) in every rank's file, as every
+        real rank writes its own."""
+        for f in self._files:
+            f.write(json.dumps(event) + "\n")
+
     def close(self) -> None:
         for f in self._files:
             f.close()
@@ -83,11 +96,13 @@ class Simulator:
         num_kv_blocks, max_model_len: each rank's pool and sequence limit.
         trace_dir: write the per-tick trace there; None = off.
         max_ticks: stop with RuntimeError after this many ticks (a runaway guard).
+        experts: the routed tokens' skew and placement (with expert parallelism; EPLB's
+            controller with ``enable_eplb``); None = balanced experts.
     """
 
     def __init__(self, config: EngineConfig, cost: CostModel, *, num_kv_blocks: int,
                  max_model_len: int, trace_dir: str | pathlib.Path | None = None,
-                 max_ticks: int = DEFAULT_MAX_TICKS):
+                 max_ticks: int = DEFAULT_MAX_TICKS, experts: SimExperts | None = None):
         n = config.data_parallel_size
         self.config = config
         self.cost = cost
@@ -103,6 +118,7 @@ class Simulator:
         self.trace = (None if trace_dir is None else
                       SimTraceWriter(trace_dir, dp_size=n, policy=self.decider.policy.name))
         self.max_ticks = max_ticks
+        self.experts = experts
         self._rank_ends_s: list[float] = []  # each rank's last step end (the trace's clock)
         self.now_s = 0.0
         self.tick = 0
@@ -183,14 +199,21 @@ class Simulator:
         tbo = [c.count_step(shapes, is_dummy=s.is_empty)
                for c, s in zip(self.counters, scheds)][0]
         start_s = self.now_s
-        cost = self.cost.step([r.micro_batches(s, tbo=tbo) for r, s in zip(self.ranks, scheds)])
+        imbalance = (1.0 if self.experts is None
+                     else self.experts.step(self.tick - 1, shapes.num_tokens.tolist()))
+        cost = self.cost.step([r.micro_batches(s, tbo=tbo) for r, s in zip(self.ranks, scheds)],
+                              expert_imbalance=imbalance)
         self.step_log.append((self.tick - 1, cost))
         self.now_s += cost.total_s
         ends_s = [start_s + done for done in cost.rank_done_s]
         self._complete(scheds, ends_s)
         self.last_shapes = shapes
+        window = None if self.experts is None else self.experts.end_step(self.tick - 1)
         if self.trace is not None:
             self._trace(gathered, decision, shapes, start_s, ends_s)
+            if window is not None:
+                self.trace.write_event(window.event(tick=self.tick - 1,
+                                                    phy2log=self.experts.controller.plan.phy2log))
         self.samples.append((self.tick - 1, start_s,
                              [r.scheduler.num_running + r.scheduler.num_waiting for r in self.ranks],
                              [r.block_manager.kv_usage for r in self.ranks]))
@@ -225,7 +248,9 @@ class Simulator:
         for r in range(len(self.ranks)):
             self.trace.write(r, tick_row(dp_rank=r, gathered=gathered, decision=decision,
                                          shapes=shapes, start_ns=round(starts[r] * 1e9),
-                                         synced_ns=synced_ns, end_ns=round(ends_s[r] * 1e9)))
+                                         synced_ns=synced_ns, end_ns=round(ends_s[r] * 1e9),
+                                         eplb=None if self.experts is None
+                                         else self.experts.row(r)))
         self._rank_ends_s = ends_s
 
     def close(self) -> None:

@@ -96,12 +96,94 @@ def _all_to_all(groups: DPGroups, rank: int) -> dict:
             "gathered": gathered.tolist(), "scattered": scattered.tolist()}
 
 
+HIDDEN, INTERMEDIATE, NUM_EXPERTS = 8, 4, 8
+
+
+def expert_weights(layer: int, expert: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights of logical expert ``expert`` of layer ``layer`` (gate_up ``[2I, H]``, down
+    ``[H, I]``): random, but a function of (layer, expert) only, so any rank can tell which
+    expert a slot holds."""
+    gen = torch.Generator().manual_seed(1000 * layer + expert)
+    return (torch.randn(2 * INTERMEDIATE, HIDDEN, generator=gen).to(dtype),
+            torch.randn(HIDDEN, INTERMEDIATE, generator=gen).to(dtype))
+
+
+def _eplb(groups: DPGroups, rank: int) -> dict:
+    """EPLB's manager on a stack of two MoE layers (float32 and bfloat16, every linear packed
+    for oneDNN), experts loaded as contiguous shards: forwards of a skewed batch through the
+    expert-parallel dispatcher, a window, a rebalance with 4 redundant slots; every local
+    slot's weights checked against its logical expert's after the start-up move and after the
+    rebalance, and the outputs of the same batch before and after."""
+    from atom.config import EngineConfig
+    from atom.dp.eplb.manager import EplbManager
+    from atom.dp.eplb.move import expert_tensors
+    from atom.dp.expert_parallel import apply_expert_parallel
+    from atom.layers.moe import MoE, ExpertShard
+
+    dtypes = (torch.float32, torch.bfloat16)
+    layers = torch.nn.ModuleList()
+    for index, dtype in enumerate(dtypes):
+        layer = MoE(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS,
+                    top_k=2, expert_shard=ExpertShard(rank, 2)).to(dtype)
+        gen = torch.Generator().manual_seed(index)
+        router = torch.randn(NUM_EXPERTS, HIDDEN, generator=gen)
+        router[4:6] += 2.0  # experts 4, 5: hot for positive inputs, on rank 0 (no replica) at first
+        layer.router.weight.data.copy_(router)
+        for i, expert in enumerate(layer.local_experts):
+            gate_up, down = expert_weights(index, layer.expert_start + i, dtype)
+            expert.gate_up_proj.weight.data.copy_(gate_up)
+            expert.down_proj.weight.data.copy_(down)
+            expert.gate_up_proj.pack_weight()
+            expert.down_proj.pack_weight()
+        layer.router.pack_weight()
+        layers.append(layer)
+    ep = apply_expert_parallel(layers, groups.device, rank=rank, world_size=2)
+    config = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                          eplb_num_redundant_experts=4, eplb_window_size=2,
+                          eplb_step_interval=2, eplb_min_balancedness=0.9)
+    manager = EplbManager(config, layers, ep, rank=rank, world_size=2, timeout_s=30.0)
+
+    def slots_hold_their_experts() -> bool:
+        phy2log = manager.controller.plan.phy2log
+        for index, (layer, dtype) in enumerate(zip(layers, dtypes)):
+            for i, expert in enumerate(layer.local_experts):
+                logical = int(phy2log[index, layer.expert_start + i])
+                want = expert_weights(index, logical, dtype)
+                if not all(torch.equal(a, b) for a, b in zip(expert_tensors(expert), want)):
+                    return False
+        return True
+
+    checks = {"after_start": slots_hold_their_experts()}
+    x = torch.rand(6 + 3 * rank, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
+    outputs, windows = [], []
+    for step in range(4):
+        ep.begin_step(9)  # the larger rank's batch
+        outputs.append([layer(x.to(dtype)).float() for layer, dtype in zip(layers, dtypes)])
+        result = manager.end_step(tick=step)
+        if result is not None:
+            windows.append({"balancedness": result.balancedness,
+                            "rebalanced": result.rebalanced,
+                            "predicted": result.predicted_balancedness,
+                            "load": result.logical_load.tolist()})
+    checks["after_rebalance"] = slots_hold_their_experts()
+    log = C.process_collective_log()
+    C.check_lockstep(log, groups.control)
+    return {"checks": checks, "windows": windows,
+            "phy2log": manager.controller.plan.phy2log.tolist(),
+            "local_slots": [[layer.expert_start, len(layer.local_experts)] for layer in layers],
+            "max_output_change": [max(float((a - b).abs().max()) for a, b in
+                                      zip(outputs[0], outputs[step])) for step in range(4)],
+            "all_to_alls": log.op_counts["all_to_all"],
+            "stats": manager.stats()}
+
+
 SCENARIOS = {
     "uneven_sequence": lambda g, r: _tick_loop(g, r),
     "skip": lambda g, r: _tick_loop(g, r, fault="skip"),
     "same_group": lambda g, r: _tick_loop(g, r, fault="same_group"),
     "dtype": lambda g, r: _tick_loop(g, r, fault="dtype"),
     "all_to_all": _all_to_all,
+    "eplb": _eplb,
 }
 
 

@@ -136,3 +136,28 @@ def test_rank_failure_flags_and_the_shrunk_config(caplog):
     one = dp3.with_data_parallel_size(1)  # the DP-only options no longer apply, and say so
     assert (one.data_parallel_size, one.prefill_policy, one.dp_trace) == (1, None, None)
     assert "prefill_policy='coalescer', dp_trace='/tmp/t' no longer apply" in caplog.text
+
+
+def test_eplb_flags_and_their_checks():
+    config = _parse(["--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
+                     "--eplb-num-redundant-experts", "2", "--eplb-window-size", "10",
+                     "--eplb-step-interval", "30", "--eplb-min-balancedness", "0.8",
+                     "--eplb-fake-uniform"])
+    assert (config.enable_eplb, config.eplb_num_redundant_experts, config.eplb_window_size,
+            config.eplb_step_interval, config.eplb_min_balancedness,
+            config.eplb_fake_uniform) == (True, 2, 10, 30, 0.8, True)
+    default = _parse([])
+    assert (default.enable_eplb, default.eplb_num_redundant_experts, default.eplb_window_size,
+            default.eplb_step_interval, default.eplb_fake_uniform) == (False, 0, 1000, 3000, False)
+    on = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
+    for bad, match in ((dict(on, eplb_window_size=40, eplb_step_interval=30), "longer than"),
+                       (dict(on, eplb_num_redundant_experts=-1), ">= 0"),
+                       (dict(on, eplb_min_balancedness=1.5), r"\[0, 1\]"),
+                       (dict(on, eplb_step_interval=0), ">= 1"),
+                       (dict(data_parallel_size=2, eplb_num_redundant_experts=2), "need enable_eplb"),
+                       (dict(data_parallel_size=2, enable_eplb=True), "enable_expert_parallel"),
+                       (dict(enable_expert_parallel=True, enable_eplb=True), "data parallelism")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+    one = EngineConfig(**on, eplb_num_redundant_experts=2).with_data_parallel_size(1)
+    assert (one.enable_eplb, one.eplb_num_redundant_experts) == (False, 0)

@@ -70,3 +70,22 @@ def test_speculative_decoding_stats_are_exported():
     assert out["atom:spec_decode_mean_tokens_per_forward"][0][1] == 2.5
     no_spec = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8}])
     assert "atom:spec_decode_accepted_length_total" not in no_spec
+
+
+def test_eplb_series_per_rank():
+    from atom.engine.core_client import merge_rank_results
+
+    eplb = {"eplb_balancedness": 0.96, "eplb_num_rebalances": 2,
+            "eplb_rebalance_seconds_sum": 0.3,
+            "eplb_rebalance_seconds_buckets": [0, 1, 1, 0, 0, 0, 0, 0, 0]}  # 0.05 s, 0.25 s
+    stats = [{**rank_stats(r, {}), **eplb} for r in (0, 1)]
+    out = samples("delayer", stats)
+    assert [v for _, v in out["atom:eplb_balancedness"]] == [0.96, 0.96]
+    assert [v for _, v in out["atom:eplb_rebalances_total"]] == [2.0, 2.0]
+    buckets = {(labels["dp_rank"], labels["le"]): v
+               for labels, v in out["atom:eplb_rebalance_seconds_bucket"]}
+    assert (buckets[("0", "0.05")], buckets[("0", "0.1")], buckets[("1", "+Inf")]) == (1, 2, 2)
+    assert [v for _, v in out["atom:eplb_rebalance_seconds_count"]] == [2.0, 2.0]
+    merged = merge_rank_results(stats)  # the group's figures: not summed over the ranks
+    assert (merged["eplb_num_rebalances"], merged["eplb_rebalance_seconds_buckets"][1]) == (2, 1)
+    assert "atom:eplb_balancedness" not in samples("none", [rank_stats(0, {})])

@@ -15,7 +15,9 @@ Two sources:
   load (unfinished requests it charged to the rank) and decisions per reason
   (``atom.dp.router.REASONS``); with speculative decoding, its draft, accepted and emitted
   tokens, verifies, acceptance rate, tokens per forward and the accepted-length distribution
-  (``atom:spec_decode_accepted_length{num_accepted=...}``);
+  (``atom:spec_decode_accepted_length{num_accepted=...}``); with EPLB, the last window's
+  balancedness (``atom:eplb_balancedness``), the rebalances (``atom:eplb_rebalances_total``) and
+  their durations (``atom:eplb_rebalance_seconds``, a histogram);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
   (batches applied, gaps detected / healed / unhealed, lost batches, decode failures); rank
   failures (``atom:rank_failures{kind="dead"|"hung"}``), recoveries (fresh groups started),
@@ -32,8 +34,9 @@ stats in (:meth:`ServerMetrics.render`).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from atom.dp.eplb.controller import REBALANCE_SECONDS_BUCKETS
 from atom.dp.router import REASONS
 from atom.outputs import RequestOutput
 
@@ -61,6 +64,9 @@ _ENGINE_GAUGES = (
      "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
     ("atom:num_requests_waiting_for_remote_kvs", "num_waiting_for_remote_kvs",
      "Consumer: sequences whose prompt KV is being pulled from a producer."),
+    # EPLB (--enable-eplb; atom.dp.eplb)
+    ("atom:eplb_balancedness", "eplb_balancedness",
+     "EPLB: the last window's mean / max of the ranks' routed tokens, summed over layers (0-1]."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -82,6 +88,8 @@ _ENGINE_COUNTERS = (
      "Group steps where some rank prefilled and another did not."),
     ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
     ("atom:dp_spec_steps", "num_spec_steps", "Group steps where some rank verified drafts."),
+    ("atom:eplb_rebalances", "eplb_num_rebalances",
+     "EPLB: rebalances that moved experts (every rank counts the group's)."),
     # speculative decoding (engines with speculative_method only)
     ("atom:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed and verified."),
     ("atom:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
@@ -179,6 +187,7 @@ class _EngineCollector:
                     family.add_metric(values, s[key])
             yield family
         yield _spec_accepted_lengths(labels, rows)
+        yield _eplb_rebalance_seconds(labels, rows)
         yield from self._policy_families(labels, rows)
         yield _per_reason("atom:dp_router_decisions",
                           "DP router decisions per reason, by destination rank (DP only).",
@@ -243,6 +252,21 @@ def _spec_accepted_lengths(labels: list[str], rows) -> CounterMetricFamily:
         for key, count in s.items():
             if key.startswith(prefix):
                 family.add_metric(values + [key.removeprefix(prefix)], count)
+    return family
+
+
+def _eplb_rebalance_seconds(labels: list[str], rows) -> HistogramMetricFamily:
+    """EPLB's rebalances (all-reduce, plan, move) by duration, from each rank's buckets."""
+    family = HistogramMetricFamily("atom:eplb_rebalance_seconds",
+                                   "EPLB: seconds a rebalance paused the rank (all-reduce, plan, "
+                                   "weight move).", labels=labels)
+    bounds = [str(b) for b in REBALANCE_SECONDS_BUCKETS] + ["+Inf"]
+    for values, s in rows:
+        counts = s.get("eplb_rebalance_seconds_buckets")
+        if counts is not None:
+            cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+            family.add_metric(values, list(zip(bounds, cumulative)),
+                              s["eplb_rebalance_seconds_sum"])
     return family
 
 

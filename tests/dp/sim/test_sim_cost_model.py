@@ -1,6 +1,6 @@
 """The cost model's form from hand-made micro-batches (the slowest-rank rule, dummy batches,
-the ranks' contention,
-expert parallelism's MLP on the largest batch and its collectives, TBO), the features read
+the ranks' contention while they compute together, expert parallelism's MLP on the largest
+batch scaled by the experts' imbalance, and its collectives, TBO), the features read
 from scheduled sequences, profiles (JSON round trip, the committed ones) and the fit."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from atom.dp.sim.cost_model import (
     list_profiles,
     load_profile,
     micro_batch,
+    overlap_shares,
 )
 from atom.sampling_params import SamplingParams
 from atom.core.sequence import Sequence
@@ -47,17 +48,23 @@ def test_dense_step_is_the_slowest_rank_plus_the_tick():
     assert cost.rank_done_s == pytest.approx((0.5 + decode, cost.total_s, 0.5 + 3.0))
 
 
-def test_contention_slows_a_rank_by_the_share_of_the_others_computing():
+def test_contention_slows_a_rank_while_the_others_compute_beside_it():
     model = CostModel(Profile(dataclasses.replace(C, contention=0.2)))
-    decode = 27.0  # as above; the prefill rank computes beside it, the dummy rank does not
+    decode, prefill = 27.0, 117.3  # as above; the dummy rank does not compute
     cost = model.step([[DECODE], [PREFILL], [DUMMY]])
-    assert cost.compute_s == pytest.approx(117.3 * (1 + 0.2 * 1 / 2))
-    assert cost.others_busy == 0.5
+    # the decode rank computes beside the first 27 of the prefill's 117.3: over W - 1 = 2
+    assert cost.others_busy == pytest.approx(decode / prefill / 2)
+    assert cost.compute_s == pytest.approx(prefill + 0.2 * decode / 2)
+    both = model.step([[PREFILL], [PREFILL], [DUMMY]])  # aligned: the whole step contends
+    assert both.others_busy == 0.5 and both.compute_s == pytest.approx(prefill * 1.1)
     alone = model.step([[DECODE], [DUMMY], [DUMMY]])
     assert alone.compute_s == pytest.approx(decode) and alone.others_busy == 0.0
-    # with expert parallelism every rank runs the experts on the M rows: all compute
+    assert overlap_shares([10.0, 4.0, 4.0, 0.0], [True, True, True, False]) == pytest.approx(
+        [8 / 30, 8 / 12, 8 / 12, 0.0])
+    # with expert parallelism every rank runs the experts on the M rows: a dummy rank's 3 + 2
+    # contend with the decode rank's 27
     ep = CostModel(Profile(dataclasses.replace(C, contention=0.2)), expert_parallel=True)
-    assert ep.step([[DECODE], [DUMMY]]).others_busy == 1.0
+    assert ep.step([[DECODE], [DUMMY]]).others_busy == pytest.approx(5 / 27)
     assert ep.step([[DUMMY], [DUMMY]]).others_busy == 0.0  # M = 0: no experts run
 
 
@@ -73,6 +80,9 @@ def test_expert_parallel_mlp_runs_on_the_largest_batch():
     assert two.num_micro_batches == 2 and two.ep_s == pytest.approx(2 * (4.0 + 0.1 * 100))
     assert model.step([[DUMMY], [DUMMY]]).ep_s == 0.0  # M = 0: no collectives at all
     assert cost.rank_done_s == (cost.total_s, cost.total_s)  # the layers' collectives wait
+    # routed tokens twice the mean on the busiest rank: twice the MLP rows everywhere
+    skewed = model.micro_batch_s(DUMMY, max_num_tokens=100, expert_imbalance=2.0)
+    assert skewed == pytest.approx(3.0 + 100.0)
 
 
 def seq(num_prompt: int, *, computed: int, outputs: int = 0) -> Sequence:

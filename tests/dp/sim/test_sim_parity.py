@@ -38,7 +38,8 @@ CONFIGS = {"dense, none": dict(prefill_policy="none"),
                                        enable_tbo=True)}
 # the step's timing and the collective log are the real run's own; everything else must match
 COMPARED = [c for c in TRACE_COLUMNS if c not in ("start_us", "sync_us", "step_us",
-                                                  "collective_count", "collective_hash")]
+                                                  "eplb_expert_us", "collective_count",
+                                                  "collective_hash")]
 COUNTERS = ("num_steps", "num_prefill_steps", "num_mixed_prefill_steps", "num_tbo_steps",
             "num_dummy_steps", "hold_rate", "max_consecutive_holds", "prefill_policy_stats",
             "num_requests", "num_output_tokens")
