@@ -191,7 +191,7 @@ def test_arch_config_from_hf_parses_the_family_settings():
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
-    ({"architectures": ["GptOssForCausalLM"]}, "unsupported architecture 'GptOssForCausalLM'"),
+    ({"architectures": ["Glm4MoeForCausalLM"]}, "unsupported architecture 'Glm4MoeForCausalLM'"),
 ])
 def test_qwen3_moe_config_errors_name_what_to_change(overrides, match):
     with pytest.raises(ValueError, match=match):
