@@ -167,7 +167,7 @@ class DecoderForCausalLM(nn.Module):
         # Meta device first: skips the random init of ~100M parameters we overwrite anyway.
         with torch.device("meta"):
             model = cls(config, max_positions=max_positions, expert_shard=expert_shard)
-        model = model.to_empty(device=device).to(dtype)
+        _materialize(model, device=device, dtype=dtype)
         params = dict(model.named_parameters())
         reader = CheckpointReader(state_dict)
         if config.tie_word_embeddings:
@@ -269,3 +269,21 @@ class DecoderForCausalLM(nn.Module):
         """hidden ``[S, hidden]`` run dtype → logits ``[S, vocab]`` float32 (GEMM in run dtype,
         as Hugging Face does, then upcast)."""
         return self.lm_head(hidden).float()
+
+
+def _materialize(model: nn.Module, *, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Give every meta-device parameter and buffer of ``model`` uninitialised storage on
+    ``device``: floating-point ones in ``dtype``, the others in their own dtype; a tensor shared
+    by two modules stays shared. What ``model.to_empty(device=device).to(dtype)`` does, without
+    its path through torch's reference ``empty_like``, whose first call imports sympy (about
+    0.4 s of every engine start)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False),
+                             *module.named_buffers(recurse=False)]:
+            if id(tensor) not in made:
+                empty = torch.empty(tensor.shape, device=device,
+                                    dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+                made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                    if isinstance(tensor, nn.Parameter) else empty)
+            setattr(module, name, made[id(tensor)])
