@@ -72,6 +72,10 @@ from atom.dp.sim.replay import run_real
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face model folder or GGUF file (default: the embedded "
+                        "SmolLM2-135M); the workload's token ids must fit its vocabulary "
+                        "(ids 100-19999)")
     p.add_argument("--dp-size", type=int, default=2, help="DP ranks (real engine-core processes)")
     p.add_argument("--dtype", default="float32", help="model dtype")
     p.add_argument("--num-kv-blocks", type=int, default=32, help="per rank, 16 tokens each")
@@ -99,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--short-max-tokens", type=int, nargs=2, default=(8, 24),
                    help="burst output tokens: min max (uniform)")
     p.add_argument("--moe-split-experts", type=int, default=0,
-                   help="E > 0: the embedded model with every MLP split into E experts (model "
+                   help="E > 0: the model with every MLP split into E experts (model "
                         "(a) of docs/ARCHITECTURE.md), experts sharded over the ranks (expert parallelism), and "
                         "every configuration run with TBO off and on")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
@@ -118,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configurations(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(name, EngineConfig options) of every configuration to run, in order."""
-    base = dict(data_parallel_size=args.dp_size, dtype=args.dtype,
+    base = dict(model=args.model, data_parallel_size=args.dp_size, dtype=args.dtype,
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_model_len=1024, enable_prefix_caching=False,
                 prefill_delayer_max_delay_passes=args.max_delay_passes)

@@ -1,5 +1,5 @@
-"""``scripts/dp_experiment.py`` end to end on a small workload with the MoE model (experts
-sharded over 2 real ranks): both configurations (the coalescer with TBO off and on) complete,
+"""``scripts/dp_experiment.py`` end to end on a small tick-clocked workload with a tiny random
+Llama split into experts (sharded over 2 real ranks): both configurations (the coalescer with TBO off and on) complete,
 their counters are consistent, and each leaves its trace, Perfetto JSON and PNG (the numbers
 themselves are the script's output, not asserted; the dense workload's policy comparison is
 tests/dp/test_dp_engine_coalescer.py). Repeats, the who-paid table and the warnings from hand-made
@@ -13,15 +13,19 @@ import pathlib
 import subprocess
 import sys
 
+from tests.utils import save_tiny_llama
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "dp_experiment.py"
 
 
 def test_dp_experiment_small_run(tmp_path):
     out = tmp_path / "dp.json"
+    save_tiny_llama(tmp_path / "model", vocab_size=20000, max_position_embeddings=1024)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--pressure-prompts", "2", "--pressure-prompt-len", "120",
+        [sys.executable, str(SCRIPT), "--model", str(tmp_path / "model"), "--clock", "tick",
+         "--pressure-prompts", "2", "--pressure-prompt-len", "120",
          "--pressure-max-tokens", "8", "--num-bursts", "2", "--burst-size", "2",
-         "--burst-interval-s", "0.2", "--short-max-tokens", "2", "4", "--num-kv-blocks", "16",
+         "--short-max-tokens", "2", "4", "--num-kv-blocks", "16",
          "--prefill-policy", "coalescer", "--prefill-decode-interval", "0",
          "--moe-split-experts", "4", "--trace-dir", str(tmp_path / "trace"),
          "--output-json", str(out)],
