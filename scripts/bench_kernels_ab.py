@@ -97,8 +97,13 @@ class BaseOps:
             "logsumexp_argmax", "paged_decode_attention")}
         self.logsumexp_argmax = self._ops["logsumexp_argmax"]
 
-    def paged_decode_attention(self, q, *args):  # float32 out, converted back by its wrapper
-        return self._ops["paged_decode_attention"](q, *args).to(q.dtype)
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale,
+                               sinks=None, sliding_window=None):
+        """The base's kernel (float32 out, converted back); it has no sinks or window, which a
+        family without them never passes."""
+        assert sinks is None and sliding_window is None, "the base kernel has no sinks/window"
+        return self._ops["paged_decode_attention"](q, k_cache, v_cache, block_tables,
+                                                   context_lens, scale).to(q.dtype)
 
     def rms_norm(self, x, weight, eps):
         from atom.kernels import fused
@@ -130,13 +135,16 @@ def _base_has_fused(x) -> bool:
     return x.dtype == torch.float32
 
 
-def base_prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out) -> None:
-    """Prefill attention as the base ran it: one SDPA per sequence."""
+def base_prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out, sinks=None,
+                           sliding_window=None) -> None:
+    """Prefill attention as the base ran it: one SDPA per sequence (the reference; a base
+    without sinks or a window never passes them)."""
     from atom.kernels import attention
 
     attention.paged_prefill_attention_reference(q, k, v, k_cache, v_cache, meta, scale=scale,
                                                 seq_range=range(meta.num_decodes, meta.num_seqs),
-                                                out=out)
+                                                out=out, sinks=sinks,
+                                                sliding_window=sliding_window)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ time of top-level ops on the calling thread: time a parallel op spends on the ot
 not added twice.
 
     .venv/bin/python scripts/profile_w1.py [--dtype auto] [--num-prompts 64] [--max-tokens 128] \
-        [--base main]
+        [--base main] [--model FOLDER]
 
 ``--base REF`` profiles the same run on the kernel paths of git ref REF instead of this tree's
 (``scripts/bench_kernels_ab.py`` builds them and says what they are): the "before" table.
@@ -66,6 +66,8 @@ def part_of(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a Hugging Face folder or GGUF file (default: the "
+                        "embedded model); W1's token ids must fit its vocabulary")
     parser.add_argument("--dataset", type=pathlib.Path, default=DEFAULT_DATASET)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from atom.config import EngineConfig
     from atom.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(dtype=args.dtype, num_threads=args.num_threads)
+    config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.num_threads)
     dtype = config.resolved_dtype()
     output_json = args.output_json or pathlib.Path(
         f"results/profile_w1_{dtype}{'_base' if args.base else ''}.json")
