@@ -26,19 +26,13 @@ from atom.kv_cache_spec import KVCacheSpec
 from atom.models.deepseek import DeepSeekMoE, noaux_tc_topk, softmax_group_topk
 from atom.worker.model_loader import arch_config_from_hf, load_model_weights
 from atom.worker.model_runner import ModelRunner
-from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool,
-                                        check_chunked_mixed_batch, check_prefill_then_decode,
-                                        random_tokens, seq_of)
+from tests.models.runner_parity import (BlockPool, check_chunked_mixed_batch,
+                                        check_prefill_then_decode, fp32_runner, random_tokens,
+                                        seq_of)
 from tests.moe_utils import (DEEPSEEK_V3, build_tiny_deepseek, check_engine_parity,
                              engine_parity_prompts, parity_engine)
 
 LATENT = DEEPSEEK_V3["kv_lora_rank"] + DEEPSEEK_V3["qk_rope_head_dim"]  # 40 values per token
-
-
-def _runner(folder) -> ModelRunner:
-    config, weights = load_model_weights(str(folder), torch.float32)
-    return ModelRunner(config, weights, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
-                       block_size=BLOCK_SIZE, max_model_len=512)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["deepseek_v3", "deepseek_v2"])
@@ -49,7 +43,7 @@ def family(request, tmp_path_factory):
 
 def test_runner_logits_match_transformers(family):
     folder, hf_model = family
-    runner = _runner(folder)
+    runner = fp32_runner(folder)
     layers = runner.model.layers
     assert [isinstance(layer.mlp, DeepSeekMoE) for layer in layers] == [False, True, True]
     moe = layers[1].mlp
@@ -186,7 +180,7 @@ def test_mtp_layers_are_ignored_and_fp8_is_refused(family, tmp_path):
     for source in (folder, tmp_path):
         seq = seq_of(prompt)
         BlockPool().grow(seq, len(prompt))
-        logits.append(_runner(source).execute_model([(seq, len(prompt))]).logits)
+        logits.append(fp32_runner(source).execute_model([(seq, len(prompt))]).logits)
     assert torch.equal(logits[0], logits[1])
     fp8 = {**config, "quantization_config": {"quant_method": "fp8",
                                              "weight_block_size": [128, 128]}}
