@@ -6,7 +6,7 @@ expert, a dense first layer, ``q_lora_rank`` set for V3 and null for V2, ``v_hea
 ``qk_nope + qk_rope``):
 
 - the model runner's logits equal transformers' (prompt logits, decodes through the absorbed
-  latent path, a chunked prompt in a mixed batch);
+  latent path, a chunked prompt in a mixed batch), with YaRN too;
 - the engine's greedy tokens and top-5 logprobs equal transformers' (tie-aware), with chunked
   prefill, preemption and prefix-cache hits (tests/moe_utils.py check_engine_parity);
 - the routing functions equal transformers' routers on random logits;
@@ -55,6 +55,18 @@ def test_runner_logits_match_transformers(family):
     assert out.logits.shape == (0, 512)
     check_prefill_then_decode(runner, hf_model, random_tokens(23, 512, seed=5))
     check_chunked_mixed_batch(runner, hf_model, 512)
+
+
+def test_yarn_runner_logits_match_transformers(tmp_path):
+    """YaRN over the rotary dims (DeepSeek's mscale / mscale_all_dim: the cos/sin factor and
+    the softmax scale's mscale squared), past the original context of 16 positions."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}
+    hf_model = build_tiny_deepseek(tmp_path, rope_parameters=yarn, max_position_embeddings=64)
+    runner = fp32_runner(tmp_path)
+    assert runner.model.layers[0].self_attn.scale == pytest.approx(
+        hf_model.model.layers[0].self_attn.scaling) != 24 ** -0.5
+    check_prefill_then_decode(runner, hf_model, random_tokens(40, 512, seed=5))
 
 
 def test_kv_cache_is_the_latent(family):
