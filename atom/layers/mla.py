@@ -77,8 +77,8 @@ class MLAttention(nn.Module):
     ``q_b_proj.weight`` ``[H * (Dn + Dr), q_lora_rank]`` (or ``q_proj.weight``
     ``[H * (Dn + Dr), hidden]``), ``kv_a_proj_with_mqa.weight`` ``[R + Dr, hidden]``,
     ``kv_a_layernorm.weight`` ``[R]``, ``kv_b_proj.weight`` ``[H * (Dn + Dv), R]``,
-    ``o_proj.weight`` ``[hidden, H * Dv]``; after :meth:`prepare_absorbed`, the buffers ``w_uk``
-    ``[H, Dn, R]`` and ``w_uv`` ``[H, Dv, R]``.
+    ``o_proj.weight`` ``[hidden, H * Dv]``; :meth:`prepare_absorbed` moves ``kv_b_proj``'s into
+    buffers.
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None,
@@ -103,20 +103,21 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size)
         self.kv_cache: torch.Tensor | None = None
-        self.w_kv_b: torch.Tensor | None = None
-        self.w_uk: torch.Tensor | None = None
-        self.w_uv: torch.Tensor | None = None
+        # kv_b_proj's weight as both attention paths read it (prepare_absorbed)
+        for name in ("w_kv_b", "w_uk", "w_uv"):
+            self.register_buffer(name, None, persistent=False)
 
     def prepare_absorbed(self) -> None:
-        """Keep unpacked copies of ``kv_b_proj``'s weight for the attention paths (the Linear's
-        own may be swapped for a packed one): ``w_kv_b`` ``[H * (Dn + Dv), R]`` and its per-head
-        key and value blocks ``w_uk`` ``[H, Dn, R]``, ``w_uv`` ``[H, Dv, R]``. Call once the
-        weights are loaded."""
-        w = self.kv_b_proj.weight.detach().clone()
+        """Move ``kv_b_proj``'s loaded weight into the buffers both attention paths read (the
+        expanded path multiplies by the whole matrix, the absorbed one by per-head blocks, so a
+        oneDNN-packed Linear would serve neither): ``w_kv_b`` ``[H * (Dn + Dv), R]`` and its
+        views ``w_uk`` ``[H, Dn, R]``, ``w_uv`` ``[H, Dv, R]``; the Linear is dropped. Call once,
+        after the weights are loaded."""
+        w = self.kv_b_proj.weight.detach()
         per_head = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_kv_b = w
-        self.w_uk = per_head[:, :self.nope_dim].contiguous()
-        self.w_uv = per_head[:, self.nope_dim:].contiguous()
+        self.w_kv_b, self.w_uk, self.w_uv = (w, per_head[:, :self.nope_dim],
+                                             per_head[:, self.nope_dim:])
+        self.kv_b_proj = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
