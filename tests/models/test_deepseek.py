@@ -174,6 +174,14 @@ def test_kv_pool_holds_budget_over_latent_bytes_per_token(family):
     assert stats["kv_cache_bytes"] == stats["num_total_blocks"] * 16 * bytes_per_token
 
 
+def test_dp_stats_sum_the_pool_bytes_but_not_the_bytes_per_token():
+    from atom.engine.core_client import merge_rank_results
+
+    rank = {"kv_cache_bytes": 62 * 16 * 480, "kv_cache_bytes_per_token": 480}
+    assert merge_rank_results([rank, rank]) == {"kv_cache_bytes": 2 * 62 * 16 * 480,
+                                                "kv_cache_bytes_per_token": 480}
+
+
 def test_mtp_layers_are_ignored_and_fp8_is_refused(family, tmp_path):
     from safetensors.torch import load_file, save_file
 
