@@ -9,7 +9,8 @@ latent cache: every timed step is the same decode step of ``--batch-size`` seque
 context length (the step rewrites its own slot, so the context stays put), run alternately with
 every layer's ``absorb`` on and off (:class:`atom.layers.mla.MLAttention`). Both paths read the
 same latent cache; the expanded one up-projects every context token of every layer each step,
-the absorbed one reads the 576 latent values per token once per sequence.
+the absorbed one reads the 576 latent values per token in place (the compiled paged decode
+kernel when built: :func:`atom.kernels.mla.absorbed_decode_attention`).
 
     .venv/bin/python scripts/bench_mla.py [--dtype float32] [--contexts 128 1024 4096] \\
         [--batch-size 4] [--reps 5] [--num-threads N]

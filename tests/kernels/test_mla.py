@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from atom.kernels.attention import AttentionMetadata
-from atom.kernels.mla import (absorb_query, absorbed_decode_attention, expand_latent,
+from atom.kernels import cpu_ops
+from atom.kernels.mla import (absorb_query, absorbed_decode_attention,
+                              absorbed_decode_attention_reference, expand_latent,
                               expanded_attention, write_latent)
 
 H, R, DR, DN, DV = 4, 32, 8, 16, 12  # heads, kv_lora_rank, rope, nope, value (DV != DN + DR)
@@ -52,10 +54,13 @@ def test_absorbed_decode_equals_expanded(context_lens):
     per_head = w_kv_b.view(H, DN + DV, R)
     w_uk, w_uv = per_head[:, :DN], per_head[:, DN:]
     q_latent = absorb_query(q[..., :DN], q[..., DN:], w_uk)
-    weighted = absorbed_decode_attention(q_latent, cache, meta.block_tables,
-                                         meta.context_lens_tensor, kv_lora_rank=R, scale=scale)
-    absorbed = torch.einsum("shr,hvr->shv", weighted, w_uv)
-    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    # the compiled kernel (reading the latent in place) and the torch reference
+    assert cpu_ops.load() is not None, cpu_ops.unavailable_reason()
+    for attend in (absorbed_decode_attention, absorbed_decode_attention_reference):
+        weighted = attend(q_latent, cache, meta.block_tables, meta.context_lens_tensor,
+                          kv_lora_rank=R, scale=scale)
+        absorbed = torch.einsum("shr,hvr->shv", weighted, w_uv)
+        torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
 
     # and both equal attention written out over the expanded K/V of each sequence
     for i, n in enumerate(context_lens):
