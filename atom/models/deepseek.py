@@ -176,7 +176,8 @@ def noaux_tc_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, *,
     """
     scores = torch.sigmoid(router_logits.float())
     choice = scores + correction_bias.float()
-    groups = choice.view(choice.shape[0], n_group, -1)
+    # explicit sizes: a micro-batch of no tokens (a dummy step's TBO half) has zero rows
+    groups = choice.view(choice.shape[0], n_group, choice.shape[1] // n_group)
     group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
     choice = choice.masked_fill(~_group_mask(choice, group_scores, topk_group), float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1).indices
@@ -201,7 +202,8 @@ def softmax_group_topk(router_logits: torch.Tensor, *, top_k: int, n_group: int,
     """
     scores = torch.softmax(router_logits.float(), dim=-1)
     if grouped:
-        group_scores = scores.view(scores.shape[0], n_group, -1).amax(dim=-1)
+        group_scores = scores.view(scores.shape[0], n_group,
+                                   scores.shape[1] // n_group).amax(dim=-1)
         scores = scores.masked_fill(~_group_mask(scores, group_scores, topk_group), 0.0)
     gates, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:

@@ -135,6 +135,12 @@ def test_routing_matches_transformers():
         order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
         assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
         torch.testing.assert_close(gates.gather(1, order), ref_gates.gather(1, ref_order))
+    # no tokens (a dummy step's micro-batch): empty ids and gates, no error
+    for ids, gates in (noaux_tc_topk(torch.zeros(0, 16), torch.zeros(16), top_k=3, n_group=4,
+                                     topk_group=2, renormalize=True, scaling_factor=2.5),
+                       softmax_group_topk(torch.zeros(0, 16), top_k=3, n_group=4, topk_group=2,
+                                          grouped=True, renormalize=False, scaling_factor=1.0)):
+        assert ids.shape == gates.shape == (0, 3)
     # the correction bias changes the choice, never the gates' source (unbiased scores)
     logits = torch.zeros(1, 8)
     bias = torch.tensor([0.0, 0, 0, 0, 0, 0, 1, 1])
