@@ -18,8 +18,8 @@ The slot, block table and metadata rules are those of :mod:`atom.kernels.attenti
   query (``q_abs[h] = q_nope[h] @ W_UK[h]``, ``[R]``) and ``W_UV`` into the output, so the
   scores are ``[q_abs, q_pe] . latent_row`` and the output ``sum_t p_t c_kv_t @ W_UV[h].T``:
   a multi-query attention of width ``R + rope_dim`` whose single KV head is the latent cache
-  itself, read in place of any per-head K/V (DeepSeek-V2, appendix "absorbed" form; every MLA
-  serving engine decodes this way).
+  itself, read in place of any per-head K/V (DeepSeek-V2, section 2.1.2: ``W_UK`` absorbed
+  into ``W_Q``, ``W_UV`` into ``W_O``; MLA serving engines decode this way).
 
 Both give the same result up to float rounding (tests/kernels/test_mla.py).
 """

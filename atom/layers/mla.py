@@ -12,8 +12,8 @@ equal ``Dn + Dr``).
 
 Prefill sequences attend with the latent expanded to per-head K/V; decode sequences attend in
 the latent space with ``kv_b_proj`` absorbed into the query and the output
-(:mod:`atom.kernels.mla`); ``absorb=False`` sends decodes through the expanded path too (the
-benchmark's baseline, and the tests' yardstick).
+(:mod:`atom.kernels.mla`); ``absorb=False`` sends decodes through the expanded path too
+(scripts/bench_mla.py's baseline).
 
 The rotary pairs: DeepSeek's checkpoints rotate interleaved pairs ``(x0, x1), (x2, x3), ...``
 (transformers' ``rope_interleave``, and DeepSeek-V2's complex form). The model permutes the

@@ -285,7 +285,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     expert_names = ExpertNames()  # mlp.experts.{e}.gate_proj / up_proj / down_proj, mlp.gate
     is_v3 = True
-    #: decode in the latent space (False: the expanded path; scripts/bench_mla.py)
+    #: decode in the latent space (False: the expanded path, every layer's ``absorb``)
     absorb = True
 
     @classmethod
