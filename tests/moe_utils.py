@@ -305,3 +305,45 @@ def save_mxfp4_layout(model, folder) -> None:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(folder / "model.safetensors"))
+
+
+# ----- DeepSeek-V2 / V3 -----
+
+#: the tiny DeepSeek-V3 of the tests: 3 layers, the first dense (first_k_dense_replace), 8 routed
+#: experts in 4 groups of which 2 groups and 2 experts per token (noaux_tc), one shared expert,
+#: a low-rank query (q_lora_rank 24), a latent of 32 + 8 rotary values, v_head_dim 12 != 16 + 8
+DEEPSEEK_V3 = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                   n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                   topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32,
+                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, norm_topk_prob=True,
+                   routed_scaling_factor=2.5, max_position_embeddings=512, initializer_range=0.2,
+                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+#: the tiny DeepSeek-V2 (V2-Lite-like: no q_lora_rank), softmax group-limited greedy routing
+DEEPSEEK_V2 = {**{k: v for k, v in DEEPSEEK_V3.items() if k != "norm_topk_prob"},
+               "q_lora_rank": None, "topk_method": "group_limited_greedy",
+               "routed_scaling_factor": 1.5}
+
+
+def build_tiny_deepseek(folder, *, v3: bool = True, **overrides):
+    """A tiny random DeepSeek-V3 (:data:`DEEPSEEK_V3`) or V2 (:data:`DEEPSEEK_V2`) built by
+    transformers, fp32, large init scale, random norms and a random non-zero
+    ``e_score_correction_bias`` (V3; transformers starts it at zero, which would hide a bias
+    not loaded or used for the gates); saved to ``folder``. Returns the model."""
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                              DeepseekV3ForCausalLM)
+
+    torch.manual_seed(0)
+    if v3:
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**DEEPSEEK_V3, **overrides}))
+    else:
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**DEEPSEEK_V2, **overrides}))
+    model = model.eval()
+    randomize_norms(model)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape, generator=gen) * 0.3)
+    model.save_pretrained(folder)
+    return model

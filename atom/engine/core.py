@@ -64,6 +64,7 @@ import torch
 from atom.core.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.core.kv_connector import KVConnectorScheduler, KVLayout
+from atom.kv_cache_spec import describe_layers
 from atom.layers.moe import ExpertShard
 from atom.messages import (
     EngineCoreRequest,
@@ -186,9 +187,12 @@ class EngineCore:
         self.num_aborted_seqs = 0
         self.num_front_end_finished_seqs = 0
         release_freed_heap()
-        logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB), "
-                    "max_model_len %d", config.model or "embedded SmolLM2-135M-Instruct", dtype_name,
-                    num_blocks, config.block_size, self.runtime.kv_cache_bytes / 2**20, max_model_len)
+        logger.info("engine core ready: %s, dtype %s, %d KV blocks x %d tokens (%.1f MiB, %d "
+                    "bytes per token: %s), max_model_len %d",
+                    config.model or "embedded SmolLM2-135M-Instruct", dtype_name, num_blocks,
+                    config.block_size, self.runtime.kv_cache_bytes / 2**20,
+                    bytes_per_block // config.block_size,
+                    describe_layers(self.runner.kv_cache_specs), max_model_len)
 
     @property
     def num_experts(self) -> int | None:
@@ -512,7 +516,8 @@ class EngineCore:
     # ----- stats and utilities -----
 
     def get_stats(self) -> dict[str, int | float]:
-        """Counters of the KV pool, queues, prefix cache (in tokens; ``prefix_cache_hit_rate``
+        """Counters of the KV pool (its bytes, and bytes per token over every layer: the
+        latent size for MLA), queues, prefix cache (in tokens; ``prefix_cache_hit_rate``
         = hits / queries, 0 before any query), outside finishes (``num_aborted_seqs``: client
         aborts; ``num_front_end_finished_seqs``: stop strings), with speculative decoding the
         ``spec_*`` entries of :meth:`atom.engine.spec_stats.SpecStats.as_stats` and, when publishing,
@@ -521,6 +526,9 @@ class EngineCore:
         stats: dict[str, int | float] = {
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
+            "kv_cache_bytes": self.runtime.kv_cache_bytes,
+            "kv_cache_bytes_per_token": self.runtime.kv_cache_bytes // (
+                bm.num_blocks * self.config.block_size),
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,

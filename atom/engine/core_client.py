@@ -94,7 +94,8 @@ _MAX_FAILURES_KEPT = 8  # rank failures remembered for /health
 # KV pool's sizes are summed: free and total blocks of the whole deployment)
 _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "collective_hash",
                          "idle", "num_waves_completed", "num_steps", "num_prefill_steps",
-                         "num_mixed_prefill_steps", "num_tbo_steps", "num_spec_steps"))
+                         "num_mixed_prefill_steps", "num_tbo_steps", "num_spec_steps",
+                         "kv_cache_bytes_per_token"))
 # the prefill decisions and EPLB's figures: identical on every rank (EPLB's timings are each
 # rank's own: the merged view shows the slowest)
 _NOT_SUMMED_PREFIXES = ("prefill_policy_", "eplb_")

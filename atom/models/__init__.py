@@ -43,6 +43,15 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
         "gpt_oss", "GptOssForCausalLM",
         "gpt-oss: attention sinks, sliding-window layers, YaRN, router bias, top-k then "
         "softmax, clamped SwiGLU experts (float or MXFP4)", quant_methods=("mxfp4",)),
+    "DeepseekV2ForCausalLM": ModelEntry(
+        "deepseek", "DeepseekV2ForCausalLM",
+        "DeepSeek-V2 / V2-Lite: multi-head latent attention (paged latent cache), softmax "
+        "greedy or group-limited routing, shared experts, dense first layers; no MTP, no FP8"),
+    "DeepseekV3ForCausalLM": ModelEntry(
+        "deepseek", "DeepseekV3ForCausalLM",
+        "DeepSeek-V3 / R1: multi-head latent attention (paged latent cache), sigmoid routing "
+        "with a selection-only bias, group-limited top-k, shared experts, dense first layers; "
+        "MTP layers ignored, FP8 block-scaled weights not supported"),
 }
 
 

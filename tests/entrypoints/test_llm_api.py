@@ -58,7 +58,8 @@ def test_unknown_engine_option_is_an_error():
 
 
 def test_stats_keys(llm):
-    assert set(llm.get_stats()) == {"num_free_blocks", "num_total_blocks", "num_running", "num_waiting",
+    assert set(llm.get_stats()) == {"num_free_blocks", "num_total_blocks", "kv_cache_bytes",
+                                    "kv_cache_bytes_per_token", "num_running", "num_waiting",
                                     "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
                                     "prefix_cache_hit_rate", "num_aborted_seqs",
                                     "num_front_end_finished_seqs", "rank_failures_dead",

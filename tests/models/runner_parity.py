@@ -43,6 +43,16 @@ def step(runner: ModelRunner, pool: BlockPool, scheduled: list[tuple[Sequence, i
     return out
 
 
+def fp32_runner(folder, *, expert_shard=None) -> ModelRunner:
+    """A float32 runner of the model in ``folder`` (:data:`NUM_KV_BLOCKS` blocks of
+    :data:`BLOCK_SIZE`, 512 positions)."""
+    from atom.worker.model_loader import load_model_weights
+
+    config, weights = load_model_weights(str(folder), torch.float32)
+    return ModelRunner(config, weights, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
+                       block_size=BLOCK_SIZE, max_model_len=512, expert_shard=expert_shard)
+
+
 def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -29,18 +29,12 @@ from atom.models import get_model_class
 from atom.models.qwen3 import is_sparse_layer
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
-from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool,
-                                        CountingCheckpoint, check_chunked_mixed_batch,
-                                        check_prefill_then_decode, random_tokens, seq_of)
+from tests.models.runner_parity import (BlockPool, CountingCheckpoint,
+                                        check_chunked_mixed_batch, check_prefill_then_decode,
+                                        fp32_runner, random_tokens, seq_of)
 from tests.moe_utils import (build_tiny_mixtral, build_tiny_qwen3, check_engine_parity,
                              check_ngram_speculation, engine_parity_prompts, parity_engine,
                              save_fused_layout)
-
-
-def _runner(folder, *, expert_shard=None) -> ModelRunner:
-    config, weights = load_model_weights(str(folder), torch.float32)
-    return ModelRunner(config, weights, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
-                       block_size=BLOCK_SIZE, max_model_len=512, expert_shard=expert_shard)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["qwen3", "qwen3_moe"])
@@ -51,7 +45,7 @@ def family(request, tmp_path_factory):
 
 def test_runner_logits_match_transformers(family):
     folder, hf_model = family
-    runner = _runner(folder)
+    runner = fp32_runner(folder)
     layers = runner.model.layers
     assert layers[0].self_attn.q_norm is not None and layers[0].self_attn.head_dim == 24
     if hf_model.config.model_type == "qwen3_moe":  # layer 1 is in mlp_only_layers
@@ -109,7 +103,7 @@ def test_both_expert_layouts_load_the_same_model(tmp_path, builder):
     for (name, pa), (_, pb) in zip(_model(per_expert).named_parameters(),
                                    _model(fused).named_parameters()):
         assert torch.equal(pa, pb), name
-    a, b = _runner(per_expert), _runner(fused)
+    a, b = fp32_runner(per_expert), fp32_runner(fused)
     prompt = random_tokens(30, 512, seed=9)
     outs = []
     for runner in (a, b):

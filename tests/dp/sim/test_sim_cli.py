@@ -108,14 +108,19 @@ def test_calibration_grid_on_a_qwen3_moe_folder(tmp_path):
     _check_calibration_of_a_tiny_moe(large, "Qwen3MoeForCausalLM")
 
 
-def _check_calibration_of_a_tiny_moe(folder, architecture: str) -> None:
+# 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
+_TINY_KV_BYTES_PER_TOKEN = 3 * 2 * 2 * 24 * 4
+
+
+def _check_calibration_of_a_tiny_moe(folder, architecture: str, *,
+                                     kv_bytes_per_token: int = _TINY_KV_BYTES_PER_TOKEN) -> None:
     """A decode point and a TBO prefill point measured on the tiny MoE in ``folder`` (3 layers,
-    2 KV heads of 24, 8 experts, 2048 positions); its facts are the model's."""
+    8 experts, 2048 positions); its facts are the model's (``kv_bytes_per_token``: by default
+    2 KV heads of 24 in each layer)."""
     grid = [{"decode": (2, 32)}, {"prefill": [(16, 0)], "tbo": True}]
     measurements, facts = measure_grid(EngineConfig(model=str(folder), dtype="float32",
                                                     num_threads=1), repeats=1, grid=grid)
-    # 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
-    assert facts == {"kv_cache_bytes_per_token": 3 * 2 * 2 * 24 * 4,
+    assert facts == {"kv_cache_bytes_per_token": kv_bytes_per_token,
                      "max_position_embeddings": 2048, "num_experts": 8,
                      "architecture": architecture}
     assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
@@ -128,6 +133,17 @@ def test_calibration_grid_on_a_gpt_oss_folder(tmp_path):
 
     build_tiny_gpt_oss(tmp_path, vocab_size=20000, max_position_embeddings=2048)
     _check_calibration_of_a_tiny_moe(tmp_path, "GptOssForCausalLM")
+
+
+def test_calibration_grid_on_a_deepseek_v3_folder(tmp_path):
+    """`atom sim calibrate --model FOLDER` on DeepSeek-V3: the KV bytes per token are MLA's
+    latent (kv_lora_rank 32 + rope 8 values per layer, no K and V per head), so the simulator
+    sizes its pools in latent bytes; a TBO point runs through the shared experts."""
+    from tests.moe_utils import build_tiny_deepseek
+
+    build_tiny_deepseek(tmp_path, vocab_size=20000, max_position_embeddings=2048)
+    _check_calibration_of_a_tiny_moe(tmp_path, "DeepseekV3ForCausalLM",
+                                     kv_bytes_per_token=3 * (32 + 8) * 4)
 
 
 def test_run_says_what_it_ran_and_notes_an_overloaded_run(profile, capsys):
