@@ -69,7 +69,6 @@ class _Batch:
     num_rows: list[int] | None = None
 
 
-
 #: Byte alignment of a CPU KV cache's first element: a 64-byte cache line, so a block's rows
 #: load with whole-line SIMD reads (the kernels use unaligned loads; this keeps them fast).
 _KV_CACHE_ALIGN = 64
