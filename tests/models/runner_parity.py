@@ -131,3 +131,15 @@ class CountingCheckpoint(Checkpoint):
     def rows(self, name, start, end):
         self.rows_read[name] = (start, end)
         return self.inner.rows(name, start, end)
+
+
+def check_runner_matches_transformers(runner, hf_model, *, vocab: int,
+                                      prompt_len: int = 23) -> None:
+    """A model family's runner against transformers: DP dummy batches (no token, or padding
+    only) give no logits, then :func:`check_prefill_then_decode` on a ``prompt_len``-token prompt
+    and :func:`check_chunked_mixed_batch`."""
+    for num_padding_tokens in (0, 3):
+        out = runner.execute_model([], num_padding_tokens=num_padding_tokens)
+        assert out.logits.shape == (0, vocab)
+    check_prefill_then_decode(runner, hf_model, random_tokens(prompt_len, vocab, seed=5))
+    check_chunked_mixed_batch(runner, hf_model, vocab)

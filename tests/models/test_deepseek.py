@@ -26,9 +26,9 @@ from atom.kv_cache_spec import KVCacheSpec
 from atom.models.deepseek import DeepSeekMoE, noaux_tc_topk, softmax_group_topk
 from atom.worker.model_loader import arch_config_from_hf, load_model_weights
 from atom.worker.model_runner import ModelRunner
-from tests.models.runner_parity import (BlockPool, check_chunked_mixed_batch,
-                                        check_prefill_then_decode, fp32_runner, random_tokens,
-                                        seq_of)
+from tests.models.runner_parity import (BlockPool, check_prefill_then_decode,
+                                        check_runner_matches_transformers, fp32_runner,
+                                        random_tokens, seq_of)
 from tests.moe_utils import (DEEPSEEK_V3, build_tiny_deepseek, check_engine_parity,
                              engine_parity_prompts, parity_engine)
 
@@ -51,10 +51,7 @@ def test_runner_logits_match_transformers(family):
     assert (moe.e_score_correction_bias is not None) == (hf_model.config.model_type ==
                                                          "deepseek_v3")
     assert (layers[0].self_attn.q_lora_rank is None) == (hf_model.config.q_lora_rank is None)
-    out = runner.execute_model([], num_padding_tokens=3)  # a DP dummy batch: padding only
-    assert out.logits.shape == (0, 512)
-    check_prefill_then_decode(runner, hf_model, random_tokens(23, 512, seed=5))
-    check_chunked_mixed_batch(runner, hf_model, 512)
+    check_runner_matches_transformers(runner, hf_model, vocab=512)
 
 
 def test_yarn_runner_logits_match_transformers(tmp_path):

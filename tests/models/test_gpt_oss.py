@@ -37,8 +37,8 @@ from atom.models import get_model_class
 from atom.worker.model_loader import arch_config_from_hf, load_model_weights
 from atom.worker.model_runner import ModelRunner
 from tests.models.runner_parity import (BLOCK_SIZE, NUM_KV_BLOCKS, CountingCheckpoint,
-                                        check_chunked_mixed_batch, check_prefill_then_decode,
-                                        random_tokens)
+                                        check_prefill_then_decode,
+                                        check_runner_matches_transformers, random_tokens)
 from tests.moe_utils import (build_tiny_gpt_oss, check_engine_parity, check_ngram_speculation,
                              engine_parity_prompts, parity_engine, quantize_mxfp4,
                              save_mxfp4_layout)
@@ -72,11 +72,7 @@ def test_runner_logits_match_transformers(family):
     layers = runner.model.layers
     assert [layer.self_attn.sliding_window for layer in layers] == WINDOWS
     assert all(isinstance(layer.mlp, TopKSoftmaxMoE) for layer in layers)
-    for num_padding_tokens in (0, 3):  # a DP dummy batch: no token, or padding only
-        out = runner.execute_model([], num_padding_tokens=num_padding_tokens)
-        assert out.logits.shape == (0, 512)
-    check_prefill_then_decode(runner, hf_model, random_tokens(41, 512, seed=5))
-    check_chunked_mixed_batch(runner, hf_model, 512)
+    check_runner_matches_transformers(runner, hf_model, vocab=512, prompt_len=41)
 
 
 def test_kv_cache_specs_name_each_layers_window(family):

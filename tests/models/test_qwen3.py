@@ -30,8 +30,8 @@ from atom.models.qwen3 import is_sparse_layer
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
 from tests.models.runner_parity import (BlockPool, CountingCheckpoint,
-                                        check_chunked_mixed_batch, check_prefill_then_decode,
-                                        fp32_runner, random_tokens, seq_of)
+                                        check_runner_matches_transformers, fp32_runner,
+                                        random_tokens, seq_of)
 from tests.moe_utils import (build_tiny_mixtral, build_tiny_qwen3, check_engine_parity,
                              check_ngram_speculation, engine_parity_prompts, parity_engine,
                              save_fused_layout)
@@ -50,11 +50,7 @@ def test_runner_logits_match_transformers(family):
     assert layers[0].self_attn.q_norm is not None and layers[0].self_attn.head_dim == 24
     if hf_model.config.model_type == "qwen3_moe":  # layer 1 is in mlp_only_layers
         assert [isinstance(layer.mlp, MoE) for layer in layers] == [True, False, True]
-    for num_padding_tokens in (0, 3):  # a DP dummy batch: no token, or padding only
-        out = runner.execute_model([], num_padding_tokens=num_padding_tokens)
-        assert out.logits.shape == (0, 512)
-    check_prefill_then_decode(runner, hf_model, random_tokens(23, 512, seed=5))
-    check_chunked_mixed_batch(runner, hf_model, 512)
+    check_runner_matches_transformers(runner, hf_model, vocab=512)
 
 
 def test_kv_cache_geometry_comes_from_the_model(family):
