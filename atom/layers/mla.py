@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from atom.kernels.attention import AttentionMetadata
+from atom.kernels.fused import apply_rotary_reference
 from atom.kernels.mla import (absorb_query, absorbed_decode_attention, expanded_attention,
                               write_latent)
 from atom.layers.linear import Linear
@@ -45,15 +46,6 @@ def deinterleave_rows(weight: torch.Tensor, *, row_start: int, rope_dim: int,
         start = row_start + i * stride
         out[start:start + rope_dim] = weight[start:start + rope_dim][order]
     return out
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotary of ``x`` ``[T, ..., Dr]`` with cos/sin ``[T, Dr]``."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class MLAttention(nn.Module):
@@ -127,10 +119,12 @@ class MLAttention(nn.Module):
         q_in = x if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         q = q_proj(q_in).view(num_tokens, self.num_heads, self.qk_dim)
-        q = torch.cat([q[..., :self.nope_dim], _rotate(q[..., self.nope_dim:], cos, sin)], dim=-1)
+        q = torch.cat([q[..., :self.nope_dim],
+                       apply_rotary_reference(q[..., self.nope_dim:], cos, sin)], dim=-1)
         kv_a = self.kv_a_proj_with_mqa(x)
-        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank].contiguous()),
-                            _rotate(kv_a[:, self.kv_lora_rank:], cos, sin)], dim=-1)
+        k_pe = apply_rotary_reference(kv_a[:, None, self.kv_lora_rank:], cos, sin)[:, 0]
+        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank].contiguous()), k_pe],
+                           dim=-1)
         assert self.kv_cache is not None, "bind_kv_caches() must run before the forward"
         assert self.w_kv_b is not None, "prepare_absorbed() must run before the forward"
         write_latent(self.kv_cache, latent, meta)
