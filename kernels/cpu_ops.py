@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 OP_NAMES = ("paged_decode_attention", "paged_prefill_attention_", "rms_norm",
             "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_", "logsumexp_argmax",
             "gguf_linear",
-            "gguf_gemm_tiled", "gguf_gemm_tiled_is_simd", "llama_decode_layer_")
+            "gguf_gemm_tiled", "gguf_gemm_tiled_is_simd", "llama_decode_layer_", "fused_moe",
+            "fused_moe_is_simd")
 
 
 class CpuOps:

@@ -225,9 +225,14 @@ class DecoderForCausalLM(nn.Module):
         """Swap every :class:`~atom.layers.linear.Linear`'s weight for oneDNN's packed copy
         (faster GEMMs on CPU, :mod:`atom.kernels.linear`). Call once the model is final (after
         any MoE split, which reads the dense MLP weights). With tied embeddings the LM head
-        keeps a packed copy of the embedding matrix, which the embedding lookup still reads."""
+        keeps a packed copy of the embedding matrix, which the embedding lookup still reads.
+        MoE layers whose experts run fused (:meth:`~atom.layers.moe.MoE.fuse_experts`) keep
+        their experts' weights stacked for that kernel instead."""
+        fused = {id(linear) for layer in self.modules()
+                 if isinstance(layer, MoE) and layer.fuse_experts()
+                 for linear in layer.local_experts.modules()}
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and id(module) not in fused:
                 module.pack_weight()
 
     # ----- running -----

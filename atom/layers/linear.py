@@ -59,6 +59,27 @@ class Linear(nn.Module):
             self.packed_weight = packed
             self.weight = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float weight's dtype (packed or not)."""
+        return (self.weight if self.weight is not None else self.packed_weight).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The float weight's device (packed or not)."""
+        return (self.weight if self.weight is not None else self.packed_weight).device
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``[out_features, in_features]`` weight, read back from oneDNN's packed copy
+        when packed (a new tensor then)."""
+        return self.weight.detach() if self.weight is not None else self.packed_weight.to_dense()
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Make ``weight`` (``[out_features, in_features]``, kept as given: a view stays a
+        view) this layer's unpacked weight."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed_weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None and (isinstance(self.qweight, TiledWeight)
                                          or x.shape[0] <= QUANTIZED_MAX_ROWS):

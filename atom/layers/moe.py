@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from atom.kernels.moe import fused_moe, fused_moe_applies
 from atom.layers.linear import Linear
 from atom.layers.mlp import GatedMLP
 
@@ -79,6 +80,26 @@ class ExpertPlacement(Protocol):
         """Expert ids int64 ``[N, k]`` of the dispatched tokens → the physical expert slot
         that computes each, int64 ``[N, k]`` (the slots ``local_experts`` holds are
         ``expert_start ..``)."""
+
+
+class FusedExperts(nn.Module):
+    """A layer's local :class:`~atom.layers.mlp.GatedMLP` experts as two stacked weights, run
+    in one compiled call (:func:`atom.kernels.moe.fused_moe`). :meth:`MoE.fuse_experts` builds
+    it; the experts' own ``weight`` parameters are then views of these rows, so the weights are
+    held once.
+
+    Attributes: ``w13`` ``[E_local, 2 * intermediate, hidden]`` (gate rows, then up),
+    ``w2`` ``[E_local, hidden, intermediate]``, run dtype, contiguous.
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """x ``[N, hidden]``, local expert ids int64 ``[N, k]`` (outside ``[0, E_local)``:
+        another rank's), gates float32 ``[N, k]`` → ``[N, hidden]`` in x's dtype."""
+        return fused_moe(x, self.w13, self.w2, ids, gates)
 
 
 # ----- routing -----
@@ -157,8 +178,10 @@ class MoE(nn.Module):
     ``placement``: physical slot ``expert_start + i``, holding the expert the placement says); the
     default :class:`~atom.layers.mlp.GatedMLP` has ``gate_up_proj.weight``
     ``[2 * intermediate, hidden]`` (gate rows first, then up) and ``down_proj.weight``
-    ``[hidden, intermediate]``, so every expert's linears are packed for oneDNN like the dense
-    ones and run the fused SiLU-and-mul.
+    ``[hidden, intermediate]``. Where the fused MoE kernel runs (AVX-512 CPUs),
+    :meth:`fuse_experts` (called by the model's ``pack_weights``) stacks those weights for one
+    compiled call a layer (:class:`FusedExperts`); elsewhere every expert's linears are packed
+    for oneDNN like the dense ones and run the fused SiLU-and-mul.
 
     Raises:
         ValueError: ``top_k`` outside ``[1, num_experts]``, an unknown ``gate_mode``, or fewer
@@ -188,6 +211,7 @@ class MoE(nn.Module):
         self.expert_class = expert_class
         self.dispatcher: Dispatcher | None = None
         self.placement: ExpertPlacement | None = None
+        self.fused_experts: FusedExperts | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -207,6 +231,31 @@ class MoE(nn.Module):
         for expert, gu, d in zip(self.local_experts, gate_up, down):
             expert.gate_up_proj.weight.data.copy_(gu)
             expert.down_proj.weight.data.copy_(d)
+
+    def fuse_experts(self) -> bool:
+        """Run the local experts as one :class:`FusedExperts` call from now on, where they are
+        plain :class:`~atom.layers.mlp.GatedMLP` s on float weights and
+        :func:`~atom.kernels.moe.fused_moe_applies` (AVX-512 CPU builds); each expert's linear
+        weights become views of its rows (oneDNN's packed copies dropped). Call it again after
+        the local experts change (:meth:`shard_experts`, an EPLB move); it keeps the same
+        :class:`FusedExperts` module. Returns whether the layer is fused."""
+        experts = list(self.local_experts)
+        linears = [linear for e in experts for linear in (e.gate_up_proj, e.down_proj)
+                   if type(e) is GatedMLP]
+        if (len(linears) != 2 * len(experts) or any(x.qweight is not None for x in linears)
+                or not fused_moe_applies(linears[0].dtype, linears[0].device)):
+            self.fused_experts = None
+            return False
+        w13 = torch.stack([e.gate_up_proj.dense_weight() for e in experts])
+        w2 = torch.stack([e.down_proj.dense_weight() for e in experts])
+        for i, expert in enumerate(experts):
+            expert.gate_up_proj.set_weight(w13[i])
+            expert.down_proj.set_weight(w2[i])
+        if self.fused_experts is None:
+            self.fused_experts = FusedExperts(w13, w2)
+        else:
+            self.fused_experts.w13, self.fused_experts.w2 = w13, w2
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` → ``[T, hidden]``, same dtype."""
@@ -251,9 +300,12 @@ class MoE(nn.Module):
         runs on one contiguous slice of gathered rows (three ops: its fused gate/up GEMM,
         SiLU-and-mul, down GEMM), and the weighted outputs go back to their pairs with one
         ``index_copy_`` and are summed over the k slots (no per-expert scatter-add). With a
-        ``placement``, ``ids`` go to their physical slots first."""
+        ``placement``, ``ids`` go to their physical slots first. A fused layer
+        (:meth:`fuse_experts`) does all of it in one compiled call."""
         if self.placement is not None:
             ids = self.placement.to_slots(ids)
+        if self.fused_experts is not None:
+            return self.fused_experts(x, ids - self.expert_start, gates)
         n, k = ids.shape
         out = x.new_zeros(n * k, x.shape[1])
         local = (ids - self.expert_start).flatten()
@@ -288,6 +340,8 @@ class MoE(nn.Module):
         lo, hi = start - self.expert_start, end - self.expert_start
         self.local_experts = self.local_experts[lo:hi]
         self.expert_start = start
+        if self.fused_experts is not None:
+            self.fuse_experts()
 
 
 def topk_then_softmax(router_logits: torch.Tensor,

@@ -167,13 +167,15 @@ class EplbManager:
         return received
 
     def _time_experts(self) -> None:
-        """Time every local expert's forward (with the trace on: its ``eplb_expert_us``
-        column, this rank's MoE expert compute per step, wall clock)."""
+        """Time every local expert's forward, or a fused layer's one call for all of them
+        (with the trace on: its ``eplb_expert_us`` column, this rank's MoE expert compute per
+        step, wall clock)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         for layer in self.layers:
-            for expert in layer.local_experts:
+            for expert in ([layer.fused_experts] if layer.fused_experts is not None
+                           else layer.local_experts):
                 self._hooks.append(expert.register_forward_pre_hook(self._expert_begins))
                 self._hooks.append(expert.register_forward_hook(self._expert_ends))
 

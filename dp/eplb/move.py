@@ -16,7 +16,8 @@ reason for one).
 Then each rank rebuilds the layer's local experts for its new slots: an expert it held before
 keeps its module (the first slot that wants it); a second local replica, and every received
 expert, is a fresh module of the layer's expert class loaded with the weights and packed for
-oneDNN like the rest (:func:`load_expert_tensors`). Modules no slot wants are dropped.
+oneDNN like the rest (:func:`load_expert_tensors`). Modules no slot wants are dropped. A layer
+whose experts run fused stacks the new set's weights again (:meth:`MoE.fuse_experts`).
 
 The move happens between two steps, inside one tick, on every rank: the next forward runs the
 new placement everywhere (docs/ARCHITECTURE.md, "EPLB").
@@ -49,8 +50,7 @@ def expert_tensors(expert: nn.Module) -> list[torch.Tensor]:
         if isinstance(module, Linear):
             if module.qweight is not None:
                 raise ValueError("EPLB cannot move GGUF-quantized expert weights")
-            out.append(module.weight.detach() if module.weight is not None
-                       else module.packed_weight.to_dense())
+            out.append(module.dense_weight())
         out += [p.detach() for name, p in module.named_parameters(recurse=False)
                 if not (isinstance(module, Linear) and name == "weight")]
     return out
@@ -120,6 +120,8 @@ def move_layer(layer: MoE, old: Placement, new: Placement, *, rank: int,
     layer.local_experts = nn.ModuleList(_local_modules(layer, held, list(old[rank]),
                                                        list(new[rank]), received))
     layer.expert_start = rank * len(new[rank])
+    if layer.fused_experts is not None:
+        layer.fuse_experts()
     return sum(t.numel() * t.element_size() for ts in received.values() for t in ts)
 
 

@@ -36,6 +36,9 @@ TORCH_LIBRARY(atom_kernels, m) {
   // argument to dispatch on: registered for every backend with its definition.
   m.def("gguf_gemm_tiled_is_simd() -> bool", &atom_kernels::gguf_gemm_tiled_is_simd);
   // A whole Llama decoder layer of a decode step on GGUF blocks, in place on x and the cache.
+  // The routed experts of a MoE layer in one call: silu-gated MLPs weighted by the gates.
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor ids, Tensor gates) -> Tensor");
+  m.def("fused_moe_is_simd() -> bool", &atom_kernels::fused_moe_is_simd);
   m.def("llama_decode_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor[] weights, int[] types, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, int num_heads, "
@@ -54,4 +57,5 @@ TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_gemm_tiled", &gguf_gemm_tiled);
   m.impl("llama_decode_layer_", &llama_decode_layer_);
+  m.impl("fused_moe", &fused_moe);
 }

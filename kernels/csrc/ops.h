@@ -87,4 +87,16 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
                          at::Tensor context_lens, at::Tensor cos, at::Tensor sin,
                          int64_t num_heads, int64_t num_kv_heads, double scale);
 
+// The routed experts of a MoE layer (fused_moe.cpp): x [T, H] (rows contiguous), w13 [E, 2I, H]
+// (each expert's gate rows, then up rows) and w2 [E, H, I] contiguous in x's dtype (float32 or
+// bfloat16); ids int64 [T, k] (local expert of each of a token's k slots; outside [0, E): not
+// this call's, skipped), gates float32 [T, k]. Returns [T, H] in x's dtype: per token the sum over
+// its local slots of gate * down(silu(gate_proj(x)) * up_proj(x)) (float32 sums, the activations
+// rounded to x's dtype, one rounding at the end); rows of tokens with no local slot are 0.
+at::Tensor fused_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor ids,
+                     at::Tensor gates);
+
+// Whether fused_moe was built with its AVX-512 path (else it is a scalar loop).
+bool fused_moe_is_simd();
+
 }  // namespace atom_kernels

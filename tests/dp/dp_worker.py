@@ -109,8 +109,9 @@ def expert_weights(layer: int, expert: int, dtype) -> tuple[torch.Tensor, torch.
 
 
 def _eplb(groups: DPGroups, rank: int) -> dict:
-    """EPLB's manager on a stack of two MoE layers (float32 and bfloat16, every linear packed
-    for oneDNN), experts loaded as contiguous shards: forwards of a skewed batch through the
+    """EPLB's manager on a stack of two MoE layers (float32 with its experts fused where
+    the fused kernel runs, else packed for oneDNN as every bfloat16 linear), experts loaded as
+    contiguous shards: forwards of a skewed batch through the
     expert-parallel dispatcher, a window, a rebalance with 4 redundant slots; every local
     slot's weights checked against its logical expert's after the start-up move and after the
     rebalance, and the outputs of the same batch before and after."""
@@ -133,8 +134,9 @@ def _eplb(groups: DPGroups, rank: int) -> dict:
             gate_up, down = expert_weights(index, layer.expert_start + i, dtype)
             expert.gate_up_proj.weight.data.copy_(gate_up)
             expert.down_proj.weight.data.copy_(down)
-            expert.gate_up_proj.pack_weight()
-            expert.down_proj.pack_weight()
+            if dtype == torch.bfloat16 or not layer.fuse_experts():
+                expert.gate_up_proj.pack_weight()
+                expert.down_proj.pack_weight()
         layer.router.pack_weight()
         layers.append(layer)
     ep = apply_expert_parallel(layers, groups.device, rank=rank, world_size=2)
@@ -171,6 +173,12 @@ def _eplb(groups: DPGroups, rank: int) -> dict:
     return {"checks": checks, "windows": windows,
             "phy2log": manager.controller.plan.phy2log.tolist(),
             "local_slots": [[layer.expert_start, len(layer.local_experts)] for layer in layers],
+            "fused_rows_are_the_experts": [
+                layer.fused_experts is None or all(
+                    torch.equal(layer.fused_experts.w13[i], e.gate_up_proj.dense_weight())
+                    and torch.equal(layer.fused_experts.w2[i], e.down_proj.dense_weight())
+                    for i, e in enumerate(layer.local_experts)) for layer in layers],
+            "fused": [layer.fused_experts is not None for layer in layers],
             "max_output_change": [max(float((a - b).abs().max()) for a, b in
                                       zip(outputs[0], outputs[step])) for step in range(4)],
             "all_to_alls": log.op_counts["all_to_all"],

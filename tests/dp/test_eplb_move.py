@@ -1,5 +1,5 @@
 """EPLB's manager on two real gloo ranks (``dp_worker.py``'s ``eplb`` scenario): two MoE layers
-(float32 and bfloat16, linears packed for oneDNN) whose expert weights are a function of
+(float32 with its experts fused where the kernel runs, and bfloat16 on oneDNN-packed linears) whose expert weights are a function of
 (layer, logical expert), loaded as contiguous shards; forwards of a batch skewed onto experts
 4 and 5 (both on rank 0) through the expert-parallel dispatcher; a window, a rebalance with 4
 redundant slots, another window.
@@ -11,6 +11,9 @@ hold the same placement and issued the same collectives (moves included)."""
 
 from __future__ import annotations
 
+import torch
+
+from atom.kernels.moe import fused_moe_applies
 from tests.dp.test_dp_multiproc import run_ranks
 
 
@@ -28,6 +31,8 @@ def test_a_rebalance_moves_every_slot_to_its_expert_and_changes_no_output(tmp_pa
         for layer in r["phy2log"]:
             assert sorted(set(layer)) == list(range(8)) and len(layer) == 12
             assert layer.count(4) + layer.count(5) == 6  # the redundant slots went to 4 and 5
+        assert r["fused_rows_are_the_experts"] == [True, True]
+        assert r["fused"] == [fused_moe_applies(torch.float32), False]
     assert ranks[0]["phy2log"] == ranks[1]["phy2log"]
     assert [r["local_slots"] for r in ranks] == [[[0, 6], [0, 6]], [[6, 6], [6, 6]]]
     assert ranks[0]["all_to_alls"] == ranks[1]["all_to_alls"] == 4  # 2 layers: start-up, rebalance

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from atom import LLM, SamplingParams
+from atom.kernels.moe import fused_moe_applies
 from atom.layers.moe import (ExpertShard, MoE, expert_range, moe_from_dense_mlp, softmax_topk,
                              unit_routing)
 from tests.moe_utils import assert_logprobs_close, build_tiny_mixtral, tiny_prompts
@@ -135,6 +136,28 @@ def test_sharded_experts_sum_to_the_whole_layer():
     torch.testing.assert_close(parts[0] + parts[1], whole(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not within"):
         shard.shard_experts(0, 2)
+
+
+@torch.inference_mode()
+def test_fused_experts_equal_the_per_expert_modules_and_hold_the_weights_once():
+    if not fused_moe_applies(torch.float32):
+        pytest.skip("the fused MoE kernel runs on AVX-512 builds only")
+    _, ours = _mixtral_block_and_ours()
+    x = torch.randn(11, 32)
+    ids, gates = ours.route(x)
+    unfused = ours.experts(x, ids, gates)
+    assert ours.fuse_experts()
+    torch.testing.assert_close(ours.experts(x, ids, gates), unfused, rtol=1e-5, atol=1e-5)
+    w13 = ours.fused_experts.w13
+    for i, expert in enumerate(ours.local_experts):  # views of the stacked rows, not copies
+        assert expert.gate_up_proj.weight.data_ptr() == w13[i].data_ptr()
+        assert expert.down_proj.weight.data_ptr() == ours.fused_experts.w2[i].data_ptr()
+    ours.shard_experts(2, 6)  # a later shard stacks the kept experts again
+    assert ours.fused_experts.w13.shape[0] == 4
+    _, shard = _mixtral_block_and_ours()
+    shard.shard_experts(2, 6)
+    torch.testing.assert_close(ours.experts(x, ids, gates), shard.experts(x, ids, gates),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("enable_tbo", [False, True], ids=["unsplit", "tbo"])

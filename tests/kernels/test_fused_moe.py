@@ -1,0 +1,65 @@
+"""The fused MoE experts kernel (kernels/csrc/fused_moe.cpp) against float64 math: shapes with
+tails (hidden and intermediate sizes that are not multiples of the vector width or of the row
+blocks, an odd token count per expert), slots of other ranks' experts, tokens with no local
+slot, no tokens at all; the order of a token's two slots does not change its sum; bad input is
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.kernels.moe import fused_moe, fused_moe_reference
+
+# Tests of the compiled kernels take the `ops` fixture (conftest.py): a kernel that did not build
+# fails them.
+
+
+def _case(tokens, hidden, inter, experts, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    ids = torch.randint(-1, experts + 1, (tokens, k), generator=gen)  # -1, E: another rank's
+    gates = torch.rand(tokens, k, generator=gen)
+    return x, w13, w2, ids, gates
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [
+    (1, 64, 32, 4, 2),      # one decode token
+    (7, 70, 23, 6, 3),      # tails: 70 = 64 + 6 lanes, 23 columns = 5 blocks of 4 + 3
+    (33, 1024, 128, 8, 4),  # the benchmark's expert shape, several tokens an expert
+    (0, 64, 32, 4, 2),      # an empty batch
+])
+def test_fused_moe_matches_float64(ops, dtype, tokens, hidden, inter, experts, k):
+    x, w13, w2, ids, gates = _case(tokens, hidden, inter, experts, k, dtype)
+    ids[:1] = experts  # the first token has no local slot: its row is 0
+    out = fused_moe(x, w13, w2, ids, gates)
+    assert out.dtype == dtype and out.shape == x.shape
+    ref = fused_moe_reference(x, w13, w2, ids, gates)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:  # the bf16 activations and output: about 2^-8 of the largest values
+        scale = max(1.0, float(ref.abs().max())) if tokens else 1.0
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1.5e-2 * scale)
+    assert not out[:1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_two_slots_sum_the_same_in_either_order(ops, dtype):
+    # what keeps outputs bit-identical when EPLB moves experts between slots (k = 2)
+    x, w13, w2, _, gates = _case(9, 96, 40, 6, 2, dtype, seed=1)
+    ids = torch.stack([torch.arange(9) % 6, (torch.arange(9) + 1) % 6], dim=1)
+    assert torch.equal(fused_moe(x, w13, w2, ids, gates),
+                       fused_moe(x, w13, w2, ids.flip(1), gates.flip(1)))
+
+
+def test_bad_input_is_refused(ops):
+    x, w13, w2, ids, gates = _case(3, 64, 32, 4, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        fused_moe(x, w13, w2[:, :, :16].contiguous(), ids, gates)
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        fused_moe(x, w13.bfloat16(), w2, ids, gates)
+    with pytest.raises(RuntimeError, match="int64"):
+        fused_moe(x, w13, w2, ids.int(), gates)
