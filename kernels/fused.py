@@ -80,23 +80,31 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def rotary_embedding_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                      num_heads: int, num_kv_heads: int) -> None:
-    """Rotate the query and key heads of a fused projection in place.
+                      num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+    """Rotate the query and key heads of a fused projection in place; with ``q_norm`` and
+    ``k_norm``, RMSNorm each query / key head first (Qwen3's QK-norm, :func:`rms_norm`'s math),
+    in the same call.
 
     Args:
         qkv: ``[T, (H + 2 H_kv) * D]``: H query heads, then H_kv key heads, then H_kv value
             heads (left as they are); rows contiguous.
         cos, sin: ``[T, D]`` in qkv's dtype (the rows of each token's position).
+        q_norm, k_norm: ``[D]`` in qkv's dtype, both or neither; ``eps`` their epsilon.
     """
     ops = _kernels(qkv)
-    if (ops is not None and qkv.dim() == 2 and qkv.stride(-1) == 1 and cos.is_contiguous()
-            and sin.is_contiguous() and cos.dtype == sin.dtype == qkv.dtype):
-        ops.rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads)
-        return
     head_dim = cos.shape[-1]
     rows = qkv.shape[0]
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, num_heads + num_kv_heads,
                                                                head_dim)
+    if (ops is not None and qkv.dim() == 2 and qkv.stride(-1) == 1 and cos.is_contiguous()
+            and sin.is_contiguous() and cos.dtype == sin.dtype == qkv.dtype
+            and all(w is None or w.dtype == qkv.dtype for w in (q_norm, k_norm))):
+        ops.rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps)
+        return
+    if q_norm is not None:
+        for weight, heads in ((q_norm, qk[:, :num_heads]), (k_norm, qk[:, num_heads:])):
+            heads.copy_(rms_norm(heads.reshape(-1, head_dim), weight, eps).view(heads.shape))
     qk.copy_(apply_rotary_reference(qk, cos, sin))
 
 

@@ -13,12 +13,18 @@ Packing is skipped (callers keep ``F.linear``) when oneDNN is not built into tor
 is not on the CPU, or oneDNN refuses the dtype on this CPU (bfloat16 without AVX512-BF16 or
 AVX-NE-CONVERT).
 
-Imports torch only.
+For small weights at few rows, :func:`small_linear` (a compiled kernel, no per-call setup)
+beats oneDNN's fixed cost per call; :class:`atom.layers.linear.Linear` keeps such weights in both
+forms and picks by row count.
+
+Imports torch and the compiled ops (:mod:`atom.kernels.cpu_ops`) only.
 """
 
 from __future__ import annotations
 
 import torch
+
+from atom.kernels import cpu_ops
 
 #: The row count oneDNN picks its weight layout for; any row count works at run time (a
 #: batch-64 decode step is the case that gains most; 1 and 2,048 rows measured no worse).
@@ -54,3 +60,43 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
         (a different summation order).
     """
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+#: Weights of at most this many bytes keep their plain copy beside oneDNN's packed one, for
+#: :func:`small_linear`: a MoE router (``[32, 1024]`` bf16: 64 KB) and a tiny model's linears.
+SMALL_WEIGHT_BYTES = 256 * 1024
+#: The most rows :func:`small_linear` takes; above it the packed GEMM is faster
+#: (``scripts/bench_moe.py``'s notes in docs/PERFORMANCE.md: 3-6x faster at 1-8 rows, even at
+#: 64, slower at 512).
+SMALL_LINEAR_MAX_ROWS = 16
+
+
+def small_linear_applies(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (``[out, in]``) is small enough for :func:`small_linear` and the
+    kernel runs its vector path here (float32 or bfloat16 on an AVX-512 CPU, kernels built)."""
+    if (weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu"
+            or weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES):
+        return False
+    ops = cpu_ops.load()
+    return ops is not None and bool(ops.fused_moe_is_simd())
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by the compiled kernel for small weights
+    (``kernels/csrc/small_linear.cpp``): a oneDNN call costs about 15-40 µs whatever its size,
+    more than a ``[32, 1024]`` router's whole product at a decode step's few rows (3-6 µs).
+
+    Args:
+        x: ``[M, in_features]`` float32 or bfloat16, rows contiguous.
+        weight: ``[out_features, in_features]`` in x's dtype, contiguous.
+        bias: ``[out_features]`` in x's dtype, or None.
+    Returns:
+        ``[M, out_features]`` in x's dtype (float32 sums, one rounding).
+    Raises:
+        RuntimeError: the kernels are not built, or the shapes or dtypes are not the above.
+    """
+    ops = cpu_ops.load()
+    if ops is None:
+        raise RuntimeError(f"small_linear needs atom's C++ kernels: {cpu_ops.unavailable_reason()}")
+    return ops.small_linear(x, weight, bias)

@@ -69,10 +69,10 @@ class Attention(nn.Module):
         ``[T, hidden]``; writes the tokens' K/V to their slots (none for padding)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
-            self._norm_heads_(qkv)
+        qk_norm = ({} if self.q_norm is None else  # QK-norm, in the rotary's call
+                   dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, eps=self.q_norm.eps))
         fused.rotary_embedding_(qkv, cos, sin, num_heads=self.num_heads,
-                                num_kv_heads=self.num_kv_heads)
+                                num_kv_heads=self.num_kv_heads, **qk_norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -81,11 +81,3 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, self.kv_cache, meta, scale=self.scale, sinks=self.sinks,
                               sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def _norm_heads_(self, qkv: torch.Tensor) -> None:
-        """RMSNorm every query and key head of the fused projection in place (QK-norm)."""
-        rows = qkv.shape[0]  # 0 in a dummy batch: no -1 next to it
-        for norm, part in ((self.q_norm, qkv[:, :self.q_size]),
-                           (self.k_norm, qkv[:, self.q_size:self.q_size + self.kv_size])):
-            heads = part.reshape(-1, self.head_dim)
-            part.copy_(norm(heads).view(rows, part.shape[1]))

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels.gguf import QuantizedWeight, TiledWeight, gguf_linear
-from atom.kernels.linear import pack_weight, packed_linear
+from atom.kernels.linear import (SMALL_LINEAR_MAX_ROWS, pack_weight, packed_linear, small_linear,
+                                 small_linear_applies)
 
 #: The most rows (tokens of a step; sampled rows for the LM head) a linear layer with GGUF
 #: blocks computes with the row kernel; above it the float GEMM is faster on this machine's
@@ -26,7 +27,11 @@ class Linear(nn.Module):
     Before packing, ``weight`` is an ``[out_features, in_features]`` parameter and the forward is
     ``F.linear``. After a successful :meth:`pack_weight`, ``weight`` is None and the forward runs
     on ``packed_weight`` (:func:`atom.kernels.linear.packed_linear`); the dense copy is dropped,
-    so pack only once nothing reads ``weight`` any more.
+    so pack only once nothing reads ``weight`` any more. A small weight
+    (:func:`~atom.kernels.linear.small_linear_applies`: at most 256 KB, a MoE router) keeps
+    ``weight`` too, and forwards of at most
+    :data:`~atom.kernels.linear.SMALL_LINEAR_MAX_ROWS` rows run the compiled small-linear kernel
+    on it (a oneDNN call's fixed cost is more than such a product).
 
     With ``qweight`` (the GGUF file's own blocks, ``--quantization gguf``), a forward of at most
     :data:`QUANTIZED_MAX_ROWS` rows runs the quantized kernel
@@ -57,7 +62,8 @@ class Linear(nn.Module):
         packed = pack_weight(self.weight)
         if packed is not None:
             self.packed_weight = packed
-            self.weight = None
+            if not small_linear_applies(self.weight):
+                self.weight = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,4 +92,7 @@ class Linear(nn.Module):
             return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
+        if (self.weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+                and x.stride(-1) == 1):
+            return small_linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed_weight, self.bias)

@@ -22,9 +22,9 @@ TORCH_LIBRARY(atom_kernels, m) {
   // silu(gate) * up of [T, 2I] float32 or bfloat16 rows.
   m.def("silu_and_mul(Tensor x) -> Tensor");
   // Rotary embedding of the query and key heads of a fused qkv tensor, in place (float32 or
-  // bfloat16).
+  // bfloat16), optionally after an RMSNorm of each head (Qwen3's QK-norm).
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, "
-        "int num_kv_heads) -> ()");
+        "int num_kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=1e-6) -> ()");
   // Row-wise logsumexp and first argmax of float32 [S, V] (sampling).
   m.def("logsumexp_argmax(Tensor x) -> (Tensor, Tensor)");
   // x @ W.T with W in GGUF's Q4_1 / Q8_0 blocks (int8-quantized activations; float32 out).
@@ -39,6 +39,8 @@ TORCH_LIBRARY(atom_kernels, m) {
   // The routed experts of a MoE layer in one call: silu-gated MLPs weighted by the gates.
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor ids, Tensor gates) -> Tensor");
   m.def("fused_moe_is_simd() -> bool", &atom_kernels::fused_moe_is_simd);
+  // x @ W.T (+ bias) for weights too small for a oneDNN call's fixed cost (MoE routers).
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("llama_decode_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor[] weights, int[] types, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, int num_heads, "
@@ -58,4 +60,5 @@ TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   m.impl("gguf_gemm_tiled", &gguf_gemm_tiled);
   m.impl("llama_decode_layer_", &llama_decode_layer_);
   m.impl("fused_moe", &fused_moe);
+  m.impl("small_linear", &small_linear);
 }

@@ -54,7 +54,7 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   at::Tensor qkv = linear(rms_norm(x, input_norm, eps), 0, q_size + 2 * kv_size);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layer_: qkv has ",
               qkv.size(1), " columns, expected ", q_size + 2 * kv_size);
-  rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads);
+  rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads, std::nullopt, std::nullopt, 0.0);
   // the new tokens' K and V rows into their cache slots
   const float* qkv_p = qkv.data_ptr<float>();
   float* k_cache_p = kv_cache.data_ptr<float>();

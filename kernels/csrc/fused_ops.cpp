@@ -239,7 +239,9 @@ at::Tensor silu_and_mul(at::Tensor x) {
 }
 
 void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
-                       int64_t num_heads, int64_t num_kv_heads) {
+                       int64_t num_heads, int64_t num_kv_heads,
+                       const std::optional<at::Tensor>& q_norm,
+                       const std::optional<at::Tensor>& k_norm, double eps) {
   check_rows(qkv, "rotary_embedding_");
   check_rows(cos, "rotary_embedding_");
   check_rows(sin, "rotary_embedding_");
@@ -250,17 +252,34 @@ void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
               "rotary_embedding_: cos and sin must be [T, D] with an even D");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "rotary_embedding_: qkv must be [T, (H + 2 H_kv) * D]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+              "rotary_embedding_: give both q_norm and k_norm, or neither");
+  if (q_norm) {
+    for (const at::Tensor* w : {&*q_norm, &*k_norm}) {
+      check_same_dtype(qkv, *w, "rotary_embedding_");
+      TORCH_CHECK(w->numel() == head_dim && w->is_contiguous(),
+                  "rotary_embedding_: q_norm and k_norm must be [D]");
+    }
+  }
   const int64_t heads = num_heads + num_kv_heads;  // queries, then keys; values untouched
   dispatch_float_bf16(qkv, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* xp = qkv.data_ptr<T>();
     const T* cp = cos.data_ptr<T>();
     const T* sp = sin.data_ptr<T>();
+    const T* qw = q_norm ? q_norm->data_ptr<T>() : nullptr;
+    const T* kw = k_norm ? k_norm->data_ptr<T>() : nullptr;
+    const float e = static_cast<float>(eps);
     const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
     at::parallel_for(0, rows, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        for (int64_t h = 0; h < heads; ++h)
-          rotate_head(xp + r * xs + h * head_dim, cp + r * cs, sp + r * ss, half);
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x = xp + r * xs + h * head_dim;
+          if (qw != nullptr)  // QK-norm: rms_norm's math and rounding, then the rotation
+            scale_row(x, x, h < num_heads ? qw : kw, head_dim,
+                      rms_inverse(sum_squares(x, head_dim), head_dim, e));
+          rotate_head(x, cp + r * cs, sp + r * ss, half);
+        }
     });
   });
 }

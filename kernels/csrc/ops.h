@@ -50,9 +50,13 @@ at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weig
 at::Tensor silu_and_mul(at::Tensor x);
 
 // In place on qkv [T, (H + 2 H_kv) * D] (rows contiguous): rotates the H query heads and the
-// H_kv key heads of each row with cos/sin [T, D] (Hugging Face rotate_half convention).
+// H_kv key heads of each row with cos/sin [T, D] (Hugging Face rotate_half convention). With
+// q_norm and k_norm [D] (Qwen3's QK-norm), each query / key head is first RMS-normalized with
+// that weight and eps, rounded as rms_norm rounds.
 void rotary_embedding_(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
-                       int64_t num_heads, int64_t num_kv_heads);
+                       int64_t num_heads, int64_t num_kv_heads,
+                       const std::optional<at::Tensor>& q_norm,
+                       const std::optional<at::Tensor>& k_norm, double eps);
 
 // Per row of x [S, V] float32: (logsumexp float32 [S], argmax int64 [S], the first maximum on
 // ties), in two passes over the row instead of torch's three.
@@ -96,7 +100,12 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
 at::Tensor fused_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor ids,
                      at::Tensor gates);
 
-// Whether fused_moe was built with its AVX-512 path (else it is a scalar loop).
+// Whether fused_moe (and small_linear) were built with their AVX-512 path (else a scalar loop).
 bool fused_moe_is_simd();
+
+// x [M, K] (rows contiguous) @ weight.T (+ bias) for small weights (small_linear.cpp): weight
+// [N, K] contiguous and bias [N] in x's dtype (float32 or bfloat16); [M, N] in x's dtype,
+// float32 sums rounded once.
+at::Tensor small_linear(at::Tensor x, at::Tensor weight, const std::optional<at::Tensor>& bias);
 
 }  // namespace atom_kernels

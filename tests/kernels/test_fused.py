@@ -59,6 +59,26 @@ def test_rotary_embedding_in_place_matches_reference(ops, head_dim):
     assert torch.equal(out_v, v)  # values are not rotated
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_with_qk_norm_equals_norm_then_rotary(ops, dtype):
+    # Qwen3's QK-norm in the rotary's call: the same values as the two kernels one after the other
+    num_heads, num_kv_heads, rows, head_dim = 8, 2, 5, 64
+    qkv = _randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, scale=3.0).to(dtype)
+    cos, sin = _randn(rows, head_dim, seed=4).to(dtype), _randn(rows, head_dim, seed=5).to(dtype)
+    q_norm, k_norm = _randn(head_dim, seed=6).to(dtype), _randn(head_dim, seed=7).to(dtype)
+    expected = qkv.clone()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    for weight, lo, hi in ((q_norm, 0, q_size), (k_norm, q_size, q_size + kv_size)):
+        part = expected[:, lo:hi]
+        part.copy_(ops.rms_norm(part.reshape(-1, head_dim), weight, 1e-6).view(rows, -1))
+    ops.rotary_embedding_(expected, cos, sin, num_heads, num_kv_heads)
+    fused.rotary_embedding_(qkv, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            q_norm=q_norm, k_norm=k_norm, eps=1e-6)
+    assert torch.equal(qkv, expected)
+    with pytest.raises(RuntimeError, match="both q_norm and k_norm"):
+        ops.rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads, q_norm, None, 1e-6)
+
+
 def test_kernels_reject_wrong_dtype_and_shape(ops):
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.rms_norm(_randn(2, 8).double(), _randn(8).double(), 1e-5)
@@ -140,6 +160,15 @@ def test_other_dtypes_take_the_torch_path():
     gu = _randn(5, 32).half()
     gate, up = gu.chunk(2, dim=-1)
     assert torch.equal(fused.silu_and_mul(gu), F.silu(gate) * up)
+    # QK-norm then rotary: each head normalized by the reference, then rotated by it
+    qkv, cos, sin = _randn(3, 4 * 16).half(), _randn(3, 16, seed=2).half(), _randn(3, 16, seed=3).half()
+    q_norm, k_norm = _randn(16, seed=4).half(), _randn(16, seed=5).half()
+    heads = qkv[:, :3 * 16].reshape(3, 3, 16).clone()
+    heads[:, :2] = fused.rms_norm_reference(heads[:, :2], q_norm, 1e-6)
+    heads[:, 2:] = fused.rms_norm_reference(heads[:, 2:], k_norm, 1e-6)
+    fused.rotary_embedding_(qkv, cos, sin, num_heads=2, num_kv_heads=1, q_norm=q_norm,
+                            k_norm=k_norm, eps=1e-6)
+    assert torch.equal(qkv[:, :3 * 16].reshape(3, 3, 16), fused.apply_rotary_reference(heads, cos, sin))
 
 
 @pytest.mark.parametrize("vocab", [49152, 1003, 5])  # 1003: a tail after the 8-wide loop; 5: only the tail

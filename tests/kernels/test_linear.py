@@ -1,4 +1,5 @@
-"""oneDNN packed linear weights (atom.kernels.linear) and the model's Linear that uses them."""
+"""oneDNN packed linear weights and the small-weight kernel (atom.kernels.linear), and the model's
+Linear that uses them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.linear import pack_weight, packed_linear
+from atom.kernels.linear import (SMALL_LINEAR_MAX_ROWS, SMALL_WEIGHT_BYTES, pack_weight,
+                                 packed_linear, small_linear, small_linear_applies)
 from atom.layers.linear import Linear
 
 gen = torch.Generator().manual_seed(0)
@@ -35,14 +37,47 @@ def test_packed_linear_takes_strided_and_batched_inputs():
 
 @needs_onednn
 def test_linear_module_drops_dense_weight_after_packing():
-    layer = Linear(40, 96)
-    layer.weight.data.copy_(weight)
-    x = torch.randn(9, 40, generator=gen)
+    layer = Linear(256, 300)  # 300 KB: above SMALL_WEIGHT_BYTES
+    layer.weight.data.copy_(torch.randn(300, 256, generator=gen))
+    x = torch.randn(9, 256, generator=gen)
     before = layer(x)
     layer.pack_weight()
     assert layer.weight is None and layer.packed_weight is not None
     torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
     layer.pack_weight()  # a second call is a no-op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 16, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_matches_float64(ops, dtype, rows, bias):
+    # 37 columns of weight (4 blocks of 8 + 5), 70 inputs (a vector tail in both dtypes)
+    w = torch.randn(37, 70, generator=gen).to(dtype)
+    b = torch.randn(37, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 70, generator=gen).to(dtype)
+    out = small_linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (rows, 37)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # one rounding of float32 sums
+    torch.testing.assert_close(out.double(), exact, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        small_linear(x, w.double(), None)
+
+
+@needs_onednn
+def test_a_small_weight_keeps_both_forms_and_few_rows_take_the_small_kernel(ops):
+    layer = Linear(40, 96)  # 15 KB
+    layer.weight.data.copy_(weight)
+    if not small_linear_applies(layer.weight):
+        pytest.skip("the small-linear kernel runs on AVX-512 builds only")
+    assert layer.weight.numel() * 4 <= SMALL_WEIGHT_BYTES
+    layer.pack_weight()
+    assert layer.weight is not None and layer.packed_weight is not None
+    for rows in (1, SMALL_LINEAR_MAX_ROWS, SMALL_LINEAR_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, 40, generator=gen)
+        expected = (small_linear(x, weight) if rows <= SMALL_LINEAR_MAX_ROWS
+                    else packed_linear(x, layer.packed_weight))
+        assert torch.equal(layer(x), expected)
 
 
 def test_weights_that_cannot_be_packed_stay_dense():
