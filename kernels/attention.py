@@ -304,6 +304,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, *, scale: float, sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Batched decode attention: the compiled CPU kernel when it is built, else the torch path.
 
@@ -313,14 +314,18 @@ def decode_attention(
     sequence's blocks before its window are not read); :func:`paged_decode_attention` gathers
     whole contexts and is the fallback (no compiler, ``ATOM_DISABLE_CPP_KERNELS=1``, or a
     non-CPU device). Arguments and result as :func:`paged_decode_attention` (float32 or
-    bfloat16; each ``context_len >= 1``).
+    bfloat16; each ``context_len >= 1``); ``new_kv`` = (keys ``[S, H_kv, D]``, values, slots
+    int64 ``[S]``): the step's new K/V, written to their slots first (:func:`write_kv`; in the
+    kernel's call when it runs).
     """
     ops = cpu_ops.load() if q.device.type == "cpu" else None
     if ops is None:
+        if new_kv is not None:
+            write_kv(k_cache, v_cache, *new_kv)
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
                                       sinks=sinks, sliding_window=sliding_window)
     return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      sinks, sliding_window)
+                                      sinks, sliding_window, *(new_kv or (None, None, None)))
 
 
 def prefill_attention(
@@ -376,13 +381,14 @@ def paged_attention(
         ``[T, H, D]``; zero for padding tokens.
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _write_step_kv(k_cache, v_cache, k, v, meta)
     num_decodes = meta.num_decodes
     assert meta.query_start_loc[num_decodes] == num_decodes, "decodes must come first"
     options = dict(scale=scale, sinks=sinks, sliding_window=sliding_window)
     if num_decodes == q.shape[0] and num_decodes > 0:  # a pure decode step, no padding
         return decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                meta.context_lens_tensor, **options)
+                                meta.context_lens_tensor, new_kv=(k, v, meta.slot_mapping),
+                                **options)
+    _write_step_kv(k_cache, v_cache, k, v, meta)
     out = q.new_empty(q.shape)
     out[meta.query_start_loc[-1]:].zero_()  # padding tokens
     if num_decodes > 0:

@@ -305,7 +305,8 @@ class MoE(nn.Module):
         if self.placement is not None:
             ids = self.placement.to_slots(ids)
         if self.fused_experts is not None:
-            return self.fused_experts(x, ids - self.expert_start, gates)
+            return self.fused_experts(x, ids - self.expert_start if self.expert_start else ids,
+                                      gates)
         n, k = ids.shape
         out = x.new_zeros(n * k, x.shape[1])
         local = (ids - self.expert_start).flatten()

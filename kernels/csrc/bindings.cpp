@@ -7,10 +7,12 @@
 
 TORCH_LIBRARY(atom_kernels, m) {
   // Decode attention read in place from the paged KV cache (output in q's dtype); optional
-  // sinks [H] and sliding window (gpt-oss).
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, Tensor? sinks=None, int? sliding_window=None) "
-        "-> Tensor");
+  // sinks [H] and sliding window (gpt-oss); optionally the step's new K/V written first. The
+  // caches are written only then (the schema marks them as possibly written).
+  m.def("paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale, Tensor? sinks=None, "
+        "int? sliding_window=None, Tensor? key=None, Tensor? value=None, "
+        "Tensor? slot_mapping=None) -> Tensor");
   // Causal prefill attention of several sequences read from the paged KV cache, into out.
   m.def("paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "

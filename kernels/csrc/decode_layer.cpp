@@ -70,6 +70,7 @@ void llama_decode_layer_(at::Tensor x, at::Tensor input_norm, at::Tensor post_no
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   at::Tensor attn = paged_decode_attention(q, kv_cache.select(0, 0), kv_cache.select(0, 1),
                                            block_tables, context_lens, scale, std::nullopt,
+                                           std::nullopt, std::nullopt, std::nullopt,
                                            std::nullopt);
   at::Tensor o = linear(attn.view({tokens, q_size}), 1, hidden);
   at::Tensor h = fused_add_rms_norm(o, x, post_norm, eps);  // x += attention output

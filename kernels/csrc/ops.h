@@ -18,10 +18,15 @@ namespace atom_kernels {
 // the threads (partial softmaxes merged: the same values up to float rounding). The layer's
 // options (attention_options.h): sinks [H] (any float dtype) or none, sliding_window W > 0 (the
 // query sees its last W tokens) or none.
+// With key and value [S, H_kv, D] (heads and rows may be strided) and slot_mapping int64 [>= S],
+// each sequence's new token's K/V are first written to its slot (none where the slot is -1).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
                                   double scale, const std::optional<at::Tensor>& sinks,
-                                  std::optional<int64_t> sliding_window);
+                                  std::optional<int64_t> sliding_window,
+                                  const std::optional<at::Tensor>& key,
+                                  const std::optional<at::Tensor>& value,
+                                  const std::optional<at::Tensor>& slot_mapping);
 
 // Causal attention of the new tokens of S prefill sequences, read from the paged cache (their
 // K/V written already), into out: q and out [T, H, D] (rows and heads may be strided, D

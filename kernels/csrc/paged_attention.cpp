@@ -33,6 +33,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace atom_kernels {
@@ -257,7 +258,10 @@ void decode_kernel(T* out, const Problem<T>& P, int64_t num_seqs) {
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
                                   double scale, const std::optional<at::Tensor>& sinks,
-                                  std::optional<int64_t> sliding_window) {
+                                  std::optional<int64_t> sliding_window,
+                                  const std::optional<at::Tensor>& key,
+                                  const std::optional<at::Tensor>& value,
+                                  const std::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q [S, H, D], caches [num_blocks, block_size, H_kv, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -278,10 +282,39 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   const AttentionOptions options("paged_decode_attention", sinks, sliding_window, num_heads);
+  TORCH_CHECK(key.has_value() == value.has_value() && key.has_value() == slot_mapping.has_value(),
+              "paged_decode_attention: give key, value and slot_mapping together, or none");
+  if (key) {
+    for (const at::Tensor* t : {&*key, &*value})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == num_seqs && t->size(1) == num_kv_heads &&
+                      t->size(2) == head_dim && t->stride(2) == 1 &&
+                      t->scalar_type() == q.scalar_type(),
+                  "paged_decode_attention: key and value must be [S, H_kv, D] in q's dtype");
+    TORCH_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->dim() == 1 &&
+                    slot_mapping->size(0) >= num_seqs,
+                "paged_decode_attention: slot_mapping must be int64 [>= S]");
+  }
   auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   if (num_seqs == 0) return out;
   const auto launch = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    if (key) {  // the step's new K/V into their slots first (what write_kv does), then attend
+      const int64_t slots = k_cache.size(0) * block_size, row = num_kv_heads * head_dim;
+      const int64_t* sp = slot_mapping->data_ptr<int64_t>();
+      const int64_t ss = slot_mapping->stride(0);
+      for (const auto& [src, cache] : {std::pair{&*key, &k_cache}, std::pair{&*value, &v_cache}}) {
+        const T* s = src->template data_ptr<T>();
+        T* c = cache->template data_ptr<T>();
+        for (int64_t i = 0; i < num_seqs; ++i) {
+          const int64_t slot = sp[i * ss];
+          if (slot < 0) continue;  // NO_KV_WRITE_SLOT
+          TORCH_CHECK(slot < slots, "paged_decode_attention: slot ", slot, " outside the cache");
+          for (int64_t h = 0; h < num_kv_heads; ++h)
+            std::copy_n(s + i * src->stride(0) + h * src->stride(1), head_dim,
+                        c + slot * row + h * head_dim);
+        }
+      }
+    }
     const Problem<T> P{qc.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), qc.stride(0),
                        qc.stride(1), num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from atom.kernels.attention import (
     NO_KV_WRITE_SLOT,
     AttentionMetadata,
+    decode_attention,
     paged_attention,
     paged_attention_reference,
     paged_decode_attention,
@@ -177,6 +178,29 @@ def test_batched_decode_equals_reference(gen, free_blocks):
     torch.testing.assert_close(batched, reference, atol=1e-6, rtol=1e-5)
     expected = torch.cat([s.dense_out(len(s.q) - 1, len(s.q)) for s in seqs])
     torch.testing.assert_close(batched, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_writes_its_kv_in_the_attention_call(gen, free_blocks):
+    # a pure decode step: the kernel writes the new tokens' K/V (what write_kv does) and attends
+    seqs = [_Seq(n, free_blocks, gen) for n in (1, 4, 9, 17)]
+    cache = _kv_cache()
+    for s in seqs:
+        _fill(cache, s, len(s.k) - 1)  # the context before this step's token
+    q, k, v, meta = _step([(s, len(s.q) - 1, len(s.q)) for s in seqs])
+    expected_cache = cache.clone()
+    write_kv(expected_cache[0], expected_cache[1], k, v, meta.slot_mapping)
+    out = paged_attention(q, k, v, cache, meta, scale=SCALE)
+    assert torch.equal(cache, expected_cache)
+    torch.testing.assert_close(out, torch.cat([s.dense_out(len(s.q) - 1, len(s.q)) for s in seqs]),
+                               atol=1e-5, rtol=1e-5)
+    # a slot of -1 writes nothing (decode_attention's new_kv, in the kernel or before the torch path)
+    before = cache.clone()
+    slots = meta.slot_mapping.clone()
+    slots[0] = NO_KV_WRITE_SLOT
+    decode_attention(q, cache[0], cache[1], meta.block_tables, meta.context_lens_tensor,
+                     scale=SCALE, new_kv=(k + 1, v + 1, slots))
+    changed = (cache != before).flatten(1, 2).any(-1).any(-1).any(0)  # per slot
+    assert changed.nonzero().flatten().tolist() == sorted(meta.slot_mapping[1:].tolist())
 
 
 def test_dummy_batch_writes_nothing():
