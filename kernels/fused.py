@@ -93,15 +93,15 @@ def rotary_embedding_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *
         q_norm, k_norm: ``[D]`` in qkv's dtype, both or neither; ``eps`` their epsilon.
     """
     ops = _kernels(qkv)
-    head_dim = cos.shape[-1]
-    rows = qkv.shape[0]
-    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, num_heads + num_kv_heads,
-                                                               head_dim)
     if (ops is not None and qkv.dim() == 2 and qkv.stride(-1) == 1 and cos.is_contiguous()
             and sin.is_contiguous() and cos.dtype == sin.dtype == qkv.dtype
             and all(w is None or w.dtype == qkv.dtype for w in (q_norm, k_norm))):
         ops.rotary_embedding_(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps)
         return
+    head_dim = cos.shape[-1]
+    rows = qkv.shape[0]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, num_heads + num_kv_heads,
+                                                               head_dim)
     if q_norm is not None:
         for weight, heads in ((q_norm, qk[:, :num_heads]), (k_norm, qk[:, num_heads:])):
             heads.copy_(rms_norm(heads.reshape(-1, head_dim), weight, eps).view(heads.shape))

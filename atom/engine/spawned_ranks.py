@@ -121,6 +121,7 @@ class SpawnedRanks(RankProcesses):
         self.procs: list[subprocess.Popen] = []
         self._tails: list[collections.deque] = []
         self._stderr_threads: list[threading.Thread] = []
+        self._port_holder: socket.socket | None = None  # the group's MASTER_PORT (reserve_port)
 
     def address(self, name: str) -> str:
         return f"ipc://{self._ipc_dir}/{name}"
@@ -135,7 +136,9 @@ class SpawnedRanks(RankProcesses):
         warning = oversubscription_warning(n)
         if warning is not None:
             logger.warning("%s", warning)
-        port = _free_port() if n > 1 else 0
+        port = 0
+        if n > 1:
+            self._port_holder, port = reserve_port()
         devices = _visible_devices(self.slots)
         for rank in range(n):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),
@@ -226,6 +229,9 @@ class SpawnedRanks(RankProcesses):
 
     def cleanup(self) -> None:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._port_holder is not None:
+            self._port_holder.close()
+            self._port_holder = None
 
 
 def core_argv(config: EngineConfig, *, input_addr: str, output_addr: str,
@@ -248,10 +254,18 @@ def _visible_devices(slots: list[int]) -> str | None:
     return ",".join(names[s] for s in slots)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port() -> tuple[socket.socket, int]:
+    """A free TCP port on 127.0.0.1 and the socket that holds it: bound with ``SO_REUSEADDR``
+    but not listening, so no other bind (another process's socket asking for any port included)
+    gets the port while the holder is open, yet the rank that hosts the group's ``TCPStore`` can
+    bind and listen on it (c10d's server socket sets ``SO_REUSEADDR`` too). Close the holder when
+    the group goes. Binding port 0 and closing at once raced: another process's socket took the
+    port before rank 0 bound it (``EADDRINUSE`` at start-up, seen in a fresh-clone run of the
+    suite)."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", 0))
+    return holder, holder.getsockname()[1]
 
 
 def _forward_stderr(pipe, tail: collections.deque) -> None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from atom.dp import collectives as C
 from atom.dp.groups import RankInfo, init_process_groups
+from atom.engine.spawned_ranks import reserve_port
 
 ENV = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
@@ -62,10 +61,9 @@ def test_init_rejects_bad_timeout():
 
 def test_single_rank_groups_and_collectives():
     """World size 1 exercises the whole set-up path in this process; torn down afterwards."""
-    with socket.socket() as s:  # a free port for the rank-0-hosted store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    holder, port = reserve_port()  # a free port for the rank-0-hosted store
     groups = init_process_groups(RankInfo(0, 1, 0, 1, "127.0.0.1", port), timeout_s=30)
+    holder.close()
     try:
         assert dist.is_initialized() and groups.device_backend == "gloo"
         with pytest.raises(RuntimeError, match="already initialized"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from atom.engine.spawned_ranks import reserve_port
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -25,9 +25,7 @@ DEADLINE_S = 120  # liveness: both ranks must have exited by then (generous: 2 s
 
 def run_ranks(scenario: str, tmp_path: Path, *, world_size: int = 2) -> list[dict]:
     """Run ``scenario`` on ``world_size`` worker processes; their results in rank order."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    holder, port = reserve_port()  # held until the ranks are gone (no other socket takes it)
     procs, logs = [], []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -52,6 +50,7 @@ def run_ranks(scenario: str, tmp_path: Path, *, world_size: int = 2) -> list[dic
                 p.wait()
         for log in logs:
             log.close()
+        holder.close()
     results = []
     for rank, p in enumerate(procs):
         out = tmp_path / f"rank{rank}.json"

@@ -1,7 +1,14 @@
 """SpawnedRanks without processes: the group after a rank failure (slots kept by shrink, all
-of them by replace, none by stop or when no rank is left) and the devices a shrunk group sees."""
+of them by replace, none by stop or when no rank is left), the devices a shrunk group sees, and
+the group's reserved MASTER_PORT."""
 
 from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch.distributed as dist
 
 import atom.engine.spawned_ranks as spawned
 from atom.engine.liveness import DEAD, RankFailedError, RankFailure
@@ -34,3 +41,16 @@ def test_a_shrunk_group_sees_only_its_slots_devices(monkeypatch):
     assert spawned._visible_devices([0, 2]) == "0,2"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     assert spawned._visible_devices([1, 2]) == "5,6"
+
+
+def test_a_reserved_port_stays_free_for_the_store_only():
+    # the group's MASTER_PORT: no other socket may take it before rank 0's TCPStore binds it
+    holder, port = spawned.reserve_port()
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        assert store.port == port
+        del store
+    finally:
+        holder.close()
