@@ -23,13 +23,14 @@ import pathlib
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from atom.engine.spawned_ranks import reserve_port
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -75,12 +76,6 @@ def cheaper_python(body: str) -> str:
     return body
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
     deadline = time.monotonic() + COMMAND_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -103,7 +98,8 @@ def test_readme_parses_into_the_expected_blocks():
 
 @pytest.mark.slow
 def test_every_readme_command_runs_as_pasted(tmp_path):
-    port = str(_free_port())
+    holder, port = reserve_port()  # held for the test: the servers bind it, nothing else does
+    port = str(port)
     servers: list[subprocess.Popen] = []
     used: set[str] = set()
     try:
@@ -128,6 +124,7 @@ def test_every_readme_command_runs_as_pasted(tmp_path):
     finally:
         for server in servers:
             server.send_signal(signal.SIGTERM)
+        holder.close()
     for server in servers:
         assert server.wait(timeout=120) == 0
     assert used == set(CHEAPER), f"CHEAPER names commands the README lacks: {set(CHEAPER) - used}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import time
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
+from atom.engine.spawned_ranks import reserve_port
 
 ATOM = str(pathlib.Path(sys.executable).parent / "atom")
 API_KEY = "test-key"
@@ -25,12 +26,6 @@ _STARTUP_TIMEOUT_S = 300.0
 # one torch thread: the front end needs the second core
 _ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--num-threads", "1",
                 "--log-level", "WARNING"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RemoteServer:
@@ -44,7 +39,7 @@ class RemoteServer:
 
     def __init__(self, *args: str, api_key: str | None = None, data_parallel_size: int = 1,
                  launcher: tuple[str, ...] = (), stderr=None):
-        self.port = _free_port()
+        holder, self.port = reserve_port()  # held until the server is up (no other socket takes it)
         self.data_parallel_size = data_parallel_size
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -54,6 +49,10 @@ class RemoteServer:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ},
                                      stderr=stderr)
+        with holder:
+            self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -100,10 +99,15 @@ class Proxy:
     answers 200."""
 
     def __init__(self, prefill: str, decode: str):
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        holder, port = reserve_port()  # held until the proxy is up
+        self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([ATOM, "pd-proxy", "--prefill", prefill, "--decode", decode,
-                                      "--port", self.url.rsplit(":", 1)[1], "--log-level", "WARNING"],
+                                      "--port", str(port), "--log-level", "WARNING"],
                                      stdin=subprocess.DEVNULL)
+        with holder:
+            self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
