@@ -13,9 +13,10 @@ Packing is skipped (callers keep ``F.linear``) when oneDNN is not built into tor
 is not on the CPU, or oneDNN refuses the dtype on this CPU (bfloat16 without AVX512-BF16 or
 AVX-NE-CONVERT).
 
-For small weights at few rows, :func:`small_linear` (a compiled kernel, no per-call setup)
-beats oneDNN's fixed cost per call; :class:`atom.layers.linear.Linear` keeps such weights in both
-forms and picks by row count.
+For small weights at few rows, and for any weight at one row, :func:`small_linear` (a compiled
+kernel, no per-call setup) beats oneDNN (:func:`small_linear_max_rows`);
+:class:`atom.layers.linear.Linear` keeps its weight in both forms where the kernel runs and picks
+by row count.
 
 Imports torch and the compiled ops (:mod:`atom.kernels.cpu_ops`) only.
 """
@@ -62,30 +63,35 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-#: Weights of at most this many bytes keep their plain copy beside oneDNN's packed one, for
-#: :func:`small_linear`: a MoE router (``[32, 1024]`` bf16: 64 KB) and a tiny model's linears.
+#: Weights of at most this many bytes run :func:`small_linear` up to
+#: :data:`SMALL_LINEAR_MAX_ROWS` rows: a MoE router (``[32, 1024]`` bf16: 64 KB), a tiny model's
+#: linears; oneDNN's fixed cost per call (15-40 µs) is more than their whole product.
 SMALL_WEIGHT_BYTES = 256 * 1024
-#: The most rows :func:`small_linear` takes; above it the packed GEMM is faster
-#: (``scripts/bench_moe.py``'s notes in docs/PERFORMANCE.md: 3-6x faster at 1-8 rows, even at
-#: 64, slower at 512).
+#: The most rows :func:`small_linear` takes for a small weight (3-6x faster than the packed GEMM
+#: at 1-8 rows, still ahead at 64, slower at 512: ``scripts/bench_fused_moe.py``).
 SMALL_LINEAR_MAX_ROWS = 16
 
 
-def small_linear_applies(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` (``[out, in]``) is small enough for :func:`small_linear` and the
-    kernel runs its vector path here (float32 or bfloat16 on an AVX-512 CPU, kernels built)."""
-    if (weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu"
-            or weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES):
-        return False
+def small_linear_max_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows :func:`small_linear` runs for ``weight`` (``[out, in]``) instead of
+    oneDNN's packed GEMM: :data:`SMALL_LINEAR_MAX_ROWS` for a weight of at most
+    :data:`SMALL_WEIGHT_BYTES`, 1 above (a one-row product streams the weight once; oneDNN's
+    one-row path was slower on every shape measured, docs/PERFORMANCE.md), 0 where the kernel
+    has no vector path (not float32 / bfloat16 on the CPU, no AVX-512, kernels not built)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+        return 0
     ops = cpu_ops.load()
-    return ops is not None and bool(ops.fused_moe_is_simd())
+    if ops is None or not ops.fused_moe_is_simd():
+        return 0
+    return SMALL_LINEAR_MAX_ROWS if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else 1
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` by the compiled kernel for small weights
+    """``x @ weight.T (+ bias)`` by the compiled kernel for few rows
     (``kernels/csrc/small_linear.cpp``): a oneDNN call costs about 15-40 µs whatever its size,
-    more than a ``[32, 1024]`` router's whole product at a decode step's few rows (3-6 µs).
+    more than a ``[32, 1024]`` router's whole product at a decode step's few rows (3-6 µs), and
+    at one row the kernel streams any weight once, faster than oneDNN's one-row path.
 
     Args:
         x: ``[M, in_features]`` float32 or bfloat16, rows contiguous.

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels.gguf import QuantizedWeight, TiledWeight, gguf_linear
-from atom.kernels.linear import (SMALL_LINEAR_MAX_ROWS, pack_weight, packed_linear, small_linear,
-                                 small_linear_applies)
+from atom.kernels.linear import pack_weight, packed_linear, small_linear, small_linear_max_rows
 
 #: The most rows (tokens of a step; sampled rows for the LM head) a linear layer with GGUF
 #: blocks computes with the row kernel; above it the float GEMM is faster on this machine's
@@ -27,11 +26,13 @@ class Linear(nn.Module):
     Before packing, ``weight`` is an ``[out_features, in_features]`` parameter and the forward is
     ``F.linear``. After a successful :meth:`pack_weight`, ``weight`` is None and the forward runs
     on ``packed_weight`` (:func:`atom.kernels.linear.packed_linear`); the dense copy is dropped,
-    so pack only once nothing reads ``weight`` any more. A small weight
-    (:func:`~atom.kernels.linear.small_linear_applies`: at most 256 KB, a MoE router) keeps
-    ``weight`` too, and forwards of at most
-    :data:`~atom.kernels.linear.SMALL_LINEAR_MAX_ROWS` rows run the compiled small-linear kernel
-    on it (a oneDNN call's fixed cost is more than such a product).
+    so pack only once nothing reads ``weight`` any more. Where the compiled small-linear kernel
+    runs (float32 / bfloat16 on AVX-512 CPUs), ``weight`` is kept too and forwards of at most
+    ``small_rows`` rows run that kernel on it
+    (:func:`~atom.kernels.linear.small_linear_max_rows`: 16 for a weight of at most 256 KB such
+    as a MoE router, 1 for larger ones): a oneDNN call's fixed cost is more than a small
+    product, and its one-row path reads a large weight slower than the kernel. Such weights are
+    then held twice (the plain and the packed copy).
 
     With ``qweight`` (the GGUF file's own blocks, ``--quantization gguf``), a forward of at most
     :data:`QUANTIZED_MAX_ROWS` rows runs the quantized kernel
@@ -50,6 +51,7 @@ class Linear(nn.Module):
                      else None)
         self.packed_weight: torch.Tensor | None = None
         self.qweight: QuantizedWeight | TiledWeight | None = None
+        self.small_rows = 0  # forwards of at most this many rows run small_linear (pack_weight)
 
     def pack_weight(self) -> None:
         """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed.
@@ -62,7 +64,8 @@ class Linear(nn.Module):
         packed = pack_weight(self.weight)
         if packed is not None:
             self.packed_weight = packed
-            if not small_linear_applies(self.weight):
+            self.small_rows = small_linear_max_rows(self.weight) if self.qweight is None else 0
+            if not self.small_rows:
                 self.weight = None
 
     @property
@@ -85,6 +88,7 @@ class Linear(nn.Module):
         view) this layer's unpacked weight."""
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.packed_weight = None
+        self.small_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None and (isinstance(self.qweight, TiledWeight)
@@ -92,7 +96,6 @@ class Linear(nn.Module):
             return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        if (self.weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS
-                and x.stride(-1) == 1):
+        if x.dim() == 2 and x.shape[0] <= self.small_rows and x.stride(-1) == 1:
             return small_linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed_weight, self.bias)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels.linear import (SMALL_LINEAR_MAX_ROWS, SMALL_WEIGHT_BYTES, pack_weight,
-                                 packed_linear, small_linear, small_linear_applies)
+                                 packed_linear, small_linear, small_linear_max_rows)
 from atom.layers.linear import Linear
 
 gen = torch.Generator().manual_seed(0)
@@ -36,14 +36,20 @@ def test_packed_linear_takes_strided_and_batched_inputs():
 
 
 @needs_onednn
-def test_linear_module_drops_dense_weight_after_packing():
+def test_a_large_weight_runs_one_row_on_the_small_kernel_and_more_on_onednn():
     layer = Linear(256, 300)  # 300 KB: above SMALL_WEIGHT_BYTES
     layer.weight.data.copy_(torch.randn(300, 256, generator=gen))
     x = torch.randn(9, 256, generator=gen)
     before = layer(x)
     layer.pack_weight()
-    assert layer.weight is None and layer.packed_weight is not None
+    assert layer.packed_weight is not None
     torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+    if small_linear_max_rows(layer.packed_weight.to_dense()) == 0:  # no AVX-512 kernel here
+        assert layer.weight is None and layer.small_rows == 0
+    else:  # both forms kept; one row takes the kernel, two the packed GEMM
+        assert layer.weight is not None and layer.small_rows == 1
+        assert torch.equal(layer(x[:1]), small_linear(x[:1], layer.weight))
+        assert torch.equal(layer(x[:2]), packed_linear(x[:2], layer.packed_weight))
     layer.pack_weight()  # a second call is a no-op
 
 
@@ -68,7 +74,7 @@ def test_small_linear_matches_float64(ops, dtype, rows, bias):
 def test_a_small_weight_keeps_both_forms_and_few_rows_take_the_small_kernel(ops):
     layer = Linear(40, 96)  # 15 KB
     layer.weight.data.copy_(weight)
-    if not small_linear_applies(layer.weight):
+    if small_linear_max_rows(layer.weight) == 0:
         pytest.skip("the small-linear kernel runs on AVX-512 builds only")
     assert layer.weight.numel() * 4 <= SMALL_WEIGHT_BYTES
     layer.pack_weight()
