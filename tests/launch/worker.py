@@ -63,6 +63,12 @@ def main() -> None:
     install_error_handler()
     out_dir = sys.argv[1]
     info = RankInfo.from_env()
+    fail_rank = os.environ.get("ATOM_TEST_FAIL_RANK")
+    if (fail_rank is not None and int(fail_rank) != info.rank
+            and os.environ.get("ATOM_TEST_IGNORE_SIGTERM") == "1"):
+        # before the all-gather, after which the failing rank fails: set any later, a rank
+        # still on its way there could get the launcher's SIGTERM first (seen in a fresh clone)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher must escalate
     groups = init_process_groups(info, timeout_s=TIMEOUT_S)
     gathered = C.all_gather_int64([info.rank, info.local_rank], groups.control)
     publish_endpoint(groups.store, f"test/rank{info.rank}", f"tcp://127.0.0.1:{40000 + info.rank}",
@@ -70,13 +76,10 @@ def main() -> None:
     endpoints = [lookup_endpoint(groups.store, f"test/rank{r}", timeout_s=TIMEOUT_S,
                                  master_addr=info.master_addr) for r in range(info.world_size)]
     _write(os.path.join(out_dir, f"rank{info.rank}.pid"), str(os.getpid()))
-    fail_rank = os.environ.get("ATOM_TEST_FAIL_RANK")
     fail_mode = os.environ.get("ATOM_TEST_FAIL_MODE", "raise")
     if fail_rank is not None:
         if int(fail_rank) == info.rank:
             _fail(fail_mode, out_dir, info.rank)
-        if os.environ.get("ATOM_TEST_IGNORE_SIGTERM") == "1":
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher must escalate
         _block_forever(groups.store)
     if os.environ.get("ATOM_TEST_BLOCK") == "1":
         child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
