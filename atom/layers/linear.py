@@ -54,8 +54,10 @@ class Linear(nn.Module):
         self.small_rows = 0  # forwards of at most this many rows run small_linear (pack_weight)
 
     def pack_weight(self) -> None:
-        """Keep only oneDNN's packed copy of the weight; a no-op where it cannot be packed.
-        With tiled GGUF blocks (every forward reads them) the float weight is dropped instead."""
+        """Add oneDNN's packed copy of the weight, and drop the plain one unless the
+        small-linear kernel runs here (``small_rows``, class docstring); a no-op where it cannot
+        be packed. With tiled GGUF blocks (every forward reads them) the float weight is dropped
+        instead."""
         if isinstance(self.qweight, TiledWeight):
             self.weight = None
             return
