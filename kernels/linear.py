@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from atom.kernels import cpu_ops
+from atom.kernels.moe import fused_moe_applies
 
 #: The row count oneDNN picks its weight layout for; any row count works at run time (a
 #: batch-64 decode step is the case that gains most; 1 and 2,048 rows measured no worse).
@@ -78,10 +79,7 @@ def small_linear_max_rows(weight: torch.Tensor) -> int:
     :data:`SMALL_WEIGHT_BYTES`, 1 above (a one-row product streams the weight once; oneDNN's
     one-row path was slower on every shape measured, docs/PERFORMANCE.md), 0 where the kernel
     has no vector path (not float32 / bfloat16 on the CPU, no AVX-512, kernels not built)."""
-    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
-        return 0
-    ops = cpu_ops.load()
-    if ops is None or not ops.fused_moe_is_simd():
+    if not fused_moe_applies(weight.dtype, weight.device):  # the same vector path's test
         return 0
     return SMALL_LINEAR_MAX_ROWS if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else 1
 
