@@ -98,6 +98,6 @@ class Linear(nn.Module):
             return gguf_linear(x, self.qweight)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        if x.dim() == 2 and x.shape[0] <= self.small_rows and x.stride(-1) == 1:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows and x.stride(-1) == 1:
             return small_linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed_weight, self.bias)

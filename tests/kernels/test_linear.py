@@ -53,6 +53,21 @@ def test_a_large_weight_runs_one_row_on_the_small_kernel_and_more_on_onednn():
     layer.pack_weight()  # a second call is a no-op
 
 
+@needs_onednn
+@pytest.mark.parametrize("out_features", [8, 300])  # small_rows 16 and 1 where the kernel runs
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_packed_linear_takes_zero_rows(out_features, kernel, monkeypatch):
+    # a TBO half that samples nothing hands the LM head zero rows; on a CPU without the
+    # small-linear kernel (small_rows 0) those rows once went to it, with no plain weight kept
+    if not kernel:
+        monkeypatch.setattr("atom.layers.linear.small_linear_max_rows", lambda weight: 0)
+    layer = Linear(256, out_features)
+    layer.weight.data.copy_(torch.randn(out_features, 256, generator=gen))
+    layer.pack_weight()
+    assert (layer.small_rows == 0) == (layer.weight is None)
+    assert layer(torch.randn(0, 256, generator=gen)).shape == (0, out_features)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 3, 16, 40])
 @pytest.mark.parametrize("bias", [False, True])
