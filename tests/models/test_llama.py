@@ -121,23 +121,28 @@ def test_torch_paths_without_compiled_kernels_match_transformers(monkeypatch, tm
 
 def test_smollm2_bf16_is_as_close_to_fp32_as_transformers_bf16(embedded_hf_model):
     """bf16 rounds differently from transformers' bf16 (fused GEMMs), so compare error sizes:
-    our bf16 logits must be about as far from the fp32 reference as transformers' bf16 are."""
+    our bf16 logits must be about as far from the fp32 reference as transformers' bf16 are,
+    summed over four prompts."""
     import copy
 
     config, state_dict = load_model_weights(None, torch.bfloat16)
     runner = ModelRunner(config, state_dict, dtype=torch.bfloat16, num_kv_blocks=NUM_KV_BLOCKS,
                          block_size=BLOCK_SIZE, max_model_len=128)
-    prompt = random_tokens(40, 49152, seed=7)
-    seq = seq_of(prompt, prompt_logprobs=0)
-    BlockPool().grow(seq, len(prompt))
-    out = runner.execute_model([(seq, len(prompt))])
-    ours = torch.cat([out.prompt_logits[seq.seq_id], out.logits])
-    ref_fp32 = hf_logits(embedded_hf_model, prompt)
-    ref_bf16 = hf_logits(copy.deepcopy(embedded_hf_model).to(torch.bfloat16), prompt)
-    our_err = (ours - ref_fp32).abs().mean().item()
-    hf_err = (ref_bf16 - ref_fp32).abs().mean().item()
-    # Both are bf16 noise (~0.1-0.2 on logits of magnitude ~30) that varies by prompt, with
-    # single positions swinging 5x; a real bug (rope, KV dtype, norm) is off by whole units.
+    hf_bf16 = copy.deepcopy(embedded_hf_model).to(torch.bfloat16)
+    our_err = hf_err = 0.0
+    for seed in (7, 8, 9, 10):
+        prompt = random_tokens(40, 49152, seed=seed)
+        seq = seq_of(prompt, prompt_logprobs=0)
+        BlockPool().grow(seq, len(prompt))
+        out = runner.execute_model([(seq, len(prompt))])
+        ours = torch.cat([out.prompt_logits[seq.seq_id], out.logits])
+        ref_fp32 = hf_logits(embedded_hf_model, prompt)
+        our_err += (ours - ref_fp32).abs().mean().item()
+        hf_err += (hf_logits(hf_bf16, prompt) - ref_fp32).abs().mean().item()
+        top5 = ref_fp32.topk(5, dim=-1).indices
+        assert (top5 == ours.argmax(-1, keepdim=True)).any(-1).all()  # bf16 only flips near-ties
+    # Both are bf16 noise (~0.1-0.4 on logits of magnitude ~30) that varies by prompt, with
+    # single positions swinging 5x: one prompt alone measured our error at 0.22x to 2.03x
+    # transformers' on an AVX2-only CPU (seeds 7-14); a real bug (rope, KV dtype, norm) is off
+    # by whole units.
     assert our_err < 2.0 * hf_err, (our_err, hf_err)
-    top5 = ref_fp32.topk(5, dim=-1).indices
-    assert (top5 == ours.argmax(-1, keepdim=True)).any(-1).all()  # bf16 only flips near-ties
