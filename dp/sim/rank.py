@@ -71,6 +71,8 @@ class SimRank:
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, max_model_len),
                                    self.block_manager)
         self.arrivals: TickArrivals[TraceRequest] = TickArrivals()
+        # time-clocked: requests sent to this rank, not yet taken ((send key, request))
+        self.inbox: list[tuple[tuple[float, float], TraceRequest]] = []
         self.records: dict[str, RequestRecord] = {}
         self._seqs: dict[int, RequestRecord] = {}  # seq_id -> its request's record
         self.num_late_arrivals = 0
@@ -80,12 +82,15 @@ class SimRank:
         ``has_work``)."""
         return self.scheduler.has_unfinished() or len(self.arrivals) > 0
 
-    def add(self, request: TraceRequest, *, now_s: float, tick: int) -> RequestRecord:
-        """Give the scheduler ``request`` (greedy, ``ignore_eos``: ``output_len`` tokens)."""
+    def add(self, request: TraceRequest, *, now_s: float, tick: int,
+            arrival_s: float | None = None) -> RequestRecord:
+        """Give the scheduler ``request`` (greedy, ``ignore_eos``: ``output_len`` tokens) at
+        ``now_s``; its TTFT counts from ``arrival_s`` (default ``now_s``)."""
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         seq = Sequence(request.request_id, list(request.prompt_token_ids), params,
                        arrival_time_s=now_s)
-        record = RequestRecord(request, self.dp_rank, now_s, tick)
+        record = RequestRecord(request, self.dp_rank, now_s if arrival_s is None else arrival_s,
+                               tick)
         self.records[request.request_id] = record
         self._seqs[seq.seq_id] = record
         if not self.scheduler.add(seq):

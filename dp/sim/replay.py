@@ -11,7 +11,10 @@ accuracy benchmark. Two clocks, as the workload says (:mod:`atom.dp.sim.workload
   sent before (none has finished yet): the per-rank batch shapes of the run are then fixed by
   the workload and the configuration, whatever the machine's speed;
 - **time-clocked** (``arrival_s``): each request is sent once its time has come (seconds
-  after the start), and routed then; step counts move with the machine's speed.
+  after the start) and the loop gets control (between ``LLMEngine.step()`` calls, which wait
+  for the ranks' next outputs: the simulator models this, :class:`atom.dp.sim.simulator.SimFrontEnd`),
+  and routed then; its TTFT counts from its arrival time; step counts move with the
+  machine's speed.
 
 Returns :mod:`atom.dp.sim.metrics`' result dict (plus ``ttft_ms_by_request`` and
 ``tpot_ms_by_request``: each request's, in milliseconds).
@@ -73,7 +76,8 @@ def drive(engine, workload: Sequence[TraceRequest], *, tick_clocked: bool):
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         engine.add_request(request.request_id, list(request.prompt_token_ids), params,
                            data_parallel_rank=request.dp_rank, session_id=request.session_id,
-                           arrival_tick=request.arrival_tick)
+                           arrival_tick=request.arrival_tick,
+                           arrival_time_s=None if tick_clocked else start + request.arrival_s)
 
     pending = sorted(workload, key=lambda r: r.arrival)
     finished, token_times = {}, {r.request_id: [] for r in workload}

@@ -25,9 +25,18 @@ the cost model's expert compute follows the step's imbalance over the ranks, and
 ``enable_eplb`` EPLB's own controller records the counts, closes its windows and switches its
 placement at the same steps as the real ranks (an ``eplb_window`` event in the trace).
 
-Time-clocked workloads (``arrival_s``): an idle group wakes at the next arrival (plus the
-profile's ``wake_s``); a request that arrives during a step waits for the next tick, as on
-the real front end. Tick-clocked workloads (``arrival_tick``) replay as the real engine does
+Time-clocked workloads (``arrival_s``) go through a model of the real front end
+(:class:`SimFrontEnd`: the offline driver, :func:`atom.dp.sim.replay.drive`, and the server's
+engine thread send alike): while a request it sent is unfinished it waits in
+``LLMEngine.step()`` for the next output frame of a rank (or ``LLMEngine``'s 1 s wait) and
+sends what arrived meanwhile, routed then; with none unfinished it sends each request on
+arrival. A rank takes what reached its socket when its tick starts (as soon as its previous
+step ends and it has sent that step's outputs), so a request the front end sends on that
+rank's own output frame reaches it just after it drained its socket and waits a tick; and an
+idle group woken by a request starts with that request only (the others sent at the same
+instant reach the ranks after they drained their sockets). An idle group's first tick starts
+``wake_s`` after the waking send. TTFT counts from the request's arrival (the real replay
+passes the same arrival time to ``LLMEngine.add_request``). Tick-clocked workloads (``arrival_tick``) replay as the real engine does
 (``atom.dp.sim.replay``): every request is routed at submission, in trace order, before the
 first tick (so the router sees every earlier request's load and no finish), and becomes
 visible at tick ``arrival_tick`` of the one wave the replay runs. Imports no torch.
@@ -36,6 +45,7 @@ visible at tick ``arrival_tick`` of the one wave the replay runs. Imports no tor
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import time
 from collections import deque
@@ -56,6 +66,7 @@ from atom.engine.kv_subscriber import KVCacheIndex, wire_block_hashes
 from atom.core.scheduler import SchedulerOutput
 
 DEFAULT_MAX_TICKS = 10_000_000  # a runaway guard, far above any workload's need
+STEP_WAIT_S = 1.0  # LLMEngine.step()'s longest wait for outputs (atom.engine.llm_engine)
 
 
 class SimTraceWriter:
@@ -119,6 +130,7 @@ class Simulator:
                       SimTraceWriter(trace_dir, dp_size=n, policy=self.decider.policy.name))
         self.max_ticks = max_ticks
         self.experts = experts
+        self.front_end: SimFrontEnd | None = None  # time-clocked workloads' sends (run)
         self._rank_ends_s: list[float] = []  # each rank's last step end (the trace's clock)
         self.now_s = 0.0
         self.tick = 0
@@ -140,11 +152,22 @@ class Simulator:
                                     session_id=request.session_id, block_hashes=hashes)
         return self.ranks[rank]
 
-    def _add(self, rank: SimRank, request: TraceRequest) -> None:
-        record = rank.add(request, now_s=self.now_s, tick=self.tick)
+    def _add(self, rank: SimRank, request: TraceRequest, arrival_s: float | None = None) -> None:
+        record = rank.add(request, now_s=self.now_s, tick=self.tick, arrival_s=arrival_s)
         self.records.append(record)
         if record.finished:  # rejected (can never fit)
             self.router.release(request.request_id)
+            if self.front_end is not None:
+                self.front_end.finished([request.request_id], at_s=self.now_s)
+
+    def _take_sent(self) -> None:
+        """Every rank takes the requests that reached its socket before its tick started
+        (time-clocked: :class:`SimFrontEnd`)."""
+        for rank, intake in zip(self.ranks, self.front_end.intake):
+            taken = [(key, request) for key, request in rank.inbox if key < intake]
+            rank.inbox = [(key, request) for key, request in rank.inbox if not key < intake]
+            for _, request in taken:
+                self._add(rank, request, arrival_s=request.arrival_s)
 
     def _release_due(self) -> None:
         tick_in_wave = self.tick - self.wave_start_tick
@@ -165,19 +188,21 @@ class Simulator:
         if workload_clock(workload) == "tick":
             for request in sorted(workload, key=lambda r: r.arrival_tick):
                 self._dispatch(request).arrivals.hold(request.arrival_tick, request)
-            pending: deque[TraceRequest] = deque()
             self.idle = False  # the replay's StartWave
         else:
-            pending = deque(sorted(workload, key=lambda r: r.arrival_s))
+            self.front_end = SimFrontEnd(workload, self._dispatch, len(self.ranks))
         while True:
             if self.idle:
-                if not pending:
+                if self.front_end is None:
                     return
-                self.now_s = max(self.now_s, pending[0].arrival_s) + self.cost.c.wake_s
+                wake_s = self.front_end.wake(self.now_s)
+                if wake_s is None:
+                    return
+                self.now_s = wake_s + self.cost.c.wake_s
                 self.idle = False
-            while pending and pending[0].arrival_s <= self.now_s:
-                request = pending.popleft()
-                self._add(self._dispatch(request), request)
+            if self.front_end is not None:
+                self.front_end.send_on_arrival(self.now_s)
+                self._take_sent()
             self._tick()
             if self.tick > self.max_ticks:
                 raise RuntimeError(f"the simulation ran {self.max_ticks} ticks: a runaway?")
@@ -220,13 +245,20 @@ class Simulator:
 
     def _complete(self, scheds: list[SchedulerOutput], ends_s: list[float]) -> None:
         """Postprocess every rank's step (its outputs at ``ends_s[r]``); release finished
-        requests; feed the KV index."""
+        requests; feed the KV index; the front end gets every rank's output frame."""
+        frames = []
         for rank, sched, end_s in zip(self.ranks, scheds, ends_s):
-            for record in rank.complete(sched, end_s=end_s, tick=self.tick - 1):
+            has_outputs = bool(sched.sampled_seqs())
+            finished = rank.complete(sched, end_s=end_s, tick=self.tick - 1)
+            for record in finished:
                 self.router.release(record.request.request_id)
+            if has_outputs or finished:
+                frames.append((end_s, [r.request.request_id for r in finished]))
             events = rank.block_manager.take_events()  # taken every step, as the core does
             if self.index is not None:
                 self.index.apply(rank.dp_rank, events)
+        if self.front_end is not None:
+            self.front_end.step_ended(ends_s, sorted(frames))
 
     def _end_wave(self) -> None:
         self.wave_id += 1
@@ -256,6 +288,94 @@ class Simulator:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+class SimFrontEnd:
+    """The real front end's sends of a time-clocked workload (module docstring), and when
+    each rank drains its socket.
+
+    A send is keyed ``(seconds, order)``; a rank takes at its tick the requests whose key is
+    below its ``intake`` key. ``intake[r]`` is ``(end of rank r's last step, 0)``: the rank
+    drains its socket right after sending that step's output frame, before the front end,
+    woken by a frame at the same instant, sends (keys ``(t, 1..)``). At a wake the intake is
+    just after the waking send.
+
+    Args:
+        workload: the requests (time-clocked).
+        dispatch: routes a request to its rank (the simulator's router, charging its load).
+        num_ranks: the group's size.
+    """
+
+    def __init__(self, workload: Sequence[TraceRequest], dispatch, num_ranks: int):
+        self.unsent = deque(sorted(workload, key=lambda r: r.arrival_s))
+        self.dispatch = dispatch
+        self.unfinished: set[str] = set()  # sent, its last output not yet received
+        self.idle_since: float | None = 0.0  # None while it waits for outputs
+        self.last_wake_s = 0.0  # when its current wait for outputs began
+        self.intake: list[tuple[float, float]] = [(0.0, 0.0)] * num_ranks
+
+    def _send_due(self, at_s: float) -> int:
+        """Send (route, and put on the rank's socket) every request that arrived by ``at_s``;
+        returns how many."""
+        order = 0
+        while self.unsent and self.unsent[0].arrival_s <= at_s:
+            request = self.unsent.popleft()
+            order += 1
+            self.dispatch(request).inbox.append(((at_s, float(order)), request))
+            self.unfinished.add(request.request_id)
+        if order:
+            self.idle_since = None
+            self.last_wake_s = at_s
+        return order
+
+    def wake(self, now_s: float) -> float | None:
+        """The group is idle at ``now_s``: when its next tick starts (its ranks' intake set),
+        or None when every request has been served. Requests left on a socket when the wave
+        ended wake their rank at once; otherwise the front end sends the next arrival."""
+        if self.unfinished:  # sent, not yet taken: on a socket
+            self.intake = [(now_s, math.inf)] * len(self.intake)
+            return now_s
+        if not self.unsent:
+            return None
+        at_s = max(now_s, self.unsent[0].arrival_s, self.idle_since or 0.0)
+        self._send_due(at_s)
+        self.intake = [(at_s, 1.5)] * len(self.intake)  # the waking send only
+        return at_s
+
+    def step_ended(self, ends_s: Sequence[float], frames: Sequence[tuple[float, list[str]]]):
+        """A step ended: rank r drains its socket at ``ends_s[r]``; ``frames`` are the output
+        frames ``(seconds, the requests they finish)`` in time order. The front end, waiting
+        for outputs, sends what arrived at each frame (and at each 1 s wait that timed out);
+        once nothing it sent is unfinished it sends on arrival."""
+        for at_s, finished in frames:
+            self._timeouts_until(at_s)
+            self.finished(finished, at_s=at_s)
+        self._timeouts_until(max(ends_s))
+        self.intake = [(end_s, 0.0) for end_s in ends_s]
+
+    def finished(self, request_ids: list[str], *, at_s: float) -> None:
+        """The front end receives a frame at ``at_s`` finishing ``request_ids``, then sends
+        what arrived; with nothing unfinished it goes on sending on arrival."""
+        if self.idle_since is not None:
+            return
+        self.unfinished.difference_update(request_ids)
+        self.last_wake_s = at_s
+        self._send_due(at_s)
+        if not self.unfinished:
+            self.idle_since = at_s
+
+    def send_on_arrival(self, until_s: float) -> None:
+        """While nothing it sent is unfinished (the group may still be ending its wave),
+        the front end sends the next request that arrives by ``until_s`` on arrival."""
+        if self.idle_since is not None and self.unsent and self.unsent[0].arrival_s <= until_s:
+            self._send_due(max(self.unsent[0].arrival_s, self.idle_since))
+
+    def _timeouts_until(self, at_s: float) -> None:
+        """``LLMEngine.step()`` returns empty-handed after waiting ``STEP_WAIT_S``; the
+        driver then sends what arrived."""
+        while self.idle_since is None and self.last_wake_s + STEP_WAIT_S < at_s:
+            self.last_wake_s += STEP_WAIT_S
+            self._send_due(self.last_wake_s)
 
 
 def run_timed(sim: Simulator, workload: Sequence[TraceRequest]) -> tuple[float, float]:
