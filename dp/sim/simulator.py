@@ -36,10 +36,11 @@ rank's own output frame reaches it just after it drained its socket and waits a 
 idle group woken by a request starts with that request only (the others sent at the same
 instant reach the ranks after they drained their sockets). An idle group's first tick starts
 ``wake_s`` after the waking send. TTFT counts from the request's arrival (the real replay
-passes the same arrival time to ``LLMEngine.add_request``). Tick-clocked workloads (``arrival_tick``) replay as the real engine does
-(``atom.dp.sim.replay``): every request is routed at submission, in trace order, before the
-first tick (so the router sees every earlier request's load and no finish), and becomes
-visible at tick ``arrival_tick`` of the one wave the replay runs. Imports no torch.
+passes the same arrival time to ``LLMEngine.add_request``). Tick-clocked workloads
+(``arrival_tick``) replay as the real engine does (``atom.dp.sim.replay``): every request
+is routed at submission, in trace order, before the first tick (so the router sees every
+earlier request's load and no finish), and becomes visible at tick ``arrival_tick`` of the
+one wave the replay runs. Imports no torch.
 """
 
 from __future__ import annotations
