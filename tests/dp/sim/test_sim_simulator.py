@@ -82,15 +82,14 @@ def test_time_clock_sends_follow_the_real_front_end():
                               arrival_s=arrival_s)
 
     sim = run([request("a", 16, 1, 0.0), request("long", 400, 0, 0.0),
-               request("c", 16, 0, 0.03), request("d", 16, 1, 0.03)])
+               request("c", 16, 0, 0.01), request("d", 16, 1, 0.01)])
     records = {r.request.request_id: r for r in sim.records}
-    # woken by "a", the group's first tick has it only: "long" reached rank 0 after it drained
-    assert records["a"].arrival_tick == 0 and records["long"].arrival_tick == 1
-    # tick 1 (from 0.0236 s): rank 1 decodes "a" (its frame at 0.0457 s), rank 0 prefills
-    # "long" until 0.0856 s. Arriving at 0.03 s, "c" and "d" are sent on rank 1's frame: rank 0,
-    # still stepping, takes "c" at tick 2; rank 1 had drained its socket already: "d" waits
-    assert records["c"].arrival_tick == 2 and records["d"].arrival_tick == 3
-    assert records["c"].arrival_s == 0.03  # TTFT counts from the arrival
+    assert records["a"].arrival_tick == records["long"].arrival_tick == 0  # both at the wake
+    # tick 0: rank 1 prefills "a" (its frame at 0.0236 s), rank 0 prefills "long" until 0.062 s.
+    # Arriving at 0.01 s, "c" and "d" are sent on rank 1's frame: rank 0, still stepping, takes
+    # "c" at tick 1; rank 1 drained its socket right after its frame: "d" waits for tick 2
+    assert records["c"].arrival_tick == 1 and records["d"].arrival_tick == 2
+    assert records["c"].arrival_s == 0.01  # TTFT counts from the arrival
     assert all(len(r.token_times_s) == 4 for r in sim.records)
 
 
