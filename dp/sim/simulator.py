@@ -340,8 +340,8 @@ class SimFrontEnd:
         at_s = max(now_s, self.unsent[0].arrival_s, self.idle_since or 0.0)
         self._send_due(at_s)
         # every request sent at that instant: the ranks drain their sockets after waking, and
-        # in 9 of 12 real runs (run F3) the three t = 0 requests of rank 0 got their first token
-        # together; in the other 3 the waking request (or two) ran a step alone
+        # in 10 of 12 real runs (run F3) the three t = 0 requests of rank 0 got their first
+        # token together; in the other 2 the waking request (or two) ran a step alone
         self.intake = [(at_s, math.inf)] * len(self.intake)
         return at_s
 
