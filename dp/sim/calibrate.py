@@ -16,8 +16,9 @@ Two parts, both on the real engine:
    as ``compute_scale`` × the grid's slowest-rank compute × (1 + ``contention`` × the share
    of it the other ranks spend computing beside it,
    :func:`~atom.dp.sim.cost_model.overlap_shares`) + ``tick_s``, on each tick's median over
-   :data:`GROUP_REPLAYS` replays (one disturbed replay does not move it); with expert parallelism a second replay, the experts now sharded, fits
-   ``ep_fixed_s`` and ``ep_row_s`` per micro-batch on what that leaves. The grid gives the
+   :data:`GROUP_REPLAYS` replays (one disturbed replay does not move it); with expert
+   parallelism a second set of replays, the experts now sharded, fits ``ep_fixed_s`` and
+   ``ep_row_s`` per micro-batch on what that leaves. The grid gives the
    relative costs of batch shapes; the real ranks, which share the cores with each other, the
    front end and whatever else runs, give their level.
 
@@ -268,7 +269,8 @@ def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
                                "matched): step parity is broken")
     # each tick's median over the replays, as the accuracy benchmark takes the median of its
     # real runs: one disturbed replay, averaged in, moved ep_fixed_s by a third (114 against
-    # 87 ms on an AVX2 Zen 3); the fastest replay's ticks fitted 5-25 % short
+    # 87 ms on an AVX2 Zen 3); fitted on each tick's fastest replay instead, a held-out real
+    # run's ticks came out 8-17 % short (docs/DP_EXPERIMENTS.md, run F)
     ticks = sorted(set.intersection(*(set(periods) for periods in runs)))
     log = [simulated[tick] for tick in ticks]
     measured = np.array([statistics.median(periods[tick] for periods in runs) for tick in ticks])

@@ -12,9 +12,9 @@ accuracy benchmark. Two clocks, as the workload says (:mod:`atom.dp.sim.workload
   the workload and the configuration, whatever the machine's speed;
 - **time-clocked** (``arrival_s``): each request is sent once its time has come (seconds
   after the start) and the loop gets control (between ``LLMEngine.step()`` calls, which wait
-  for the ranks' next outputs: the simulator models this, :class:`atom.dp.sim.simulator.SimFrontEnd`),
-  and routed then; its TTFT counts from its arrival time; step counts move with the
-  machine's speed.
+  for the ranks' next outputs; the simulator models this:
+  :class:`atom.dp.sim.simulator.SimFrontEnd`), and routed then; its TTFT counts from its
+  arrival time; step counts move with the machine's speed.
 
 Returns :mod:`atom.dp.sim.metrics`' result dict (plus ``ttft_ms_by_request`` and
 ``tpot_ms_by_request``: each request's, in milliseconds).
