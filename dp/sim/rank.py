@@ -73,6 +73,7 @@ class SimRank:
         self.arrivals: TickArrivals[TraceRequest] = TickArrivals()
         # time-clocked: requests sent to this rank, not yet taken ((send key, request))
         self.inbox: list[tuple[tuple[float, float], TraceRequest]] = []
+        self.sampled_last_step = False  # complete(): its step sampled a token
         self.records: dict[str, RequestRecord] = {}
         self._seqs: dict[int, RequestRecord] = {}  # seq_id -> its request's record
         self.num_late_arrivals = 0
@@ -113,6 +114,7 @@ class SimRank:
         postprocesses; returns the records of the requests that finished in this step (a
         sequence the pool cannot hold even alone included)."""
         sampled = sched.sampled_seqs()
+        self.sampled_last_step = bool(sampled)  # the real rank sends an output frame
         self.scheduler.postprocess(sched, {seq.seq_id: SIM_OUTPUT_TOKEN_ID for seq in sampled})
         finished = []
         for seq in sampled:

@@ -164,6 +164,8 @@ class Simulator:
         """Every rank takes the requests that reached its socket before its tick started
         (time-clocked: :class:`SimFrontEnd`)."""
         for rank, intake in zip(self.ranks, self.front_end.intake):
+            if not rank.inbox:
+                continue
             taken = [(key, request) for key, request in rank.inbox if key < intake]
             rank.inbox = [(key, request) for key, request in rank.inbox if not key < intake]
             for _, request in taken:
@@ -248,11 +250,10 @@ class Simulator:
         requests; feed the KV index; the front end gets every rank's output frame."""
         frames = []
         for rank, sched, end_s in zip(self.ranks, scheds, ends_s):
-            has_outputs = bool(sched.sampled_seqs())
             finished = rank.complete(sched, end_s=end_s, tick=self.tick - 1)
             for record in finished:
                 self.router.release(record.request.request_id)
-            if has_outputs or finished:
+            if self.front_end is not None and (finished or rank.sampled_last_step):
                 frames.append((end_s, [r.request.request_id for r in finished]))
             events = rank.block_manager.take_events()  # taken every step, as the core does
             if self.index is not None:
