@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-dir", default="results/sim_accuracy_profiles",
                    help="with --calibrate: where the fresh profiles go")
     p.add_argument("--output-json", default="results/sim_accuracy.json")
+    p.add_argument("--trace-dir", help="keep each real run's per-tick trace "
+                   "(--dp-trace) in TRACE_DIR/<configuration>/run<i>")
     return p.parse_args(argv)
 
 
@@ -93,7 +95,10 @@ def measure(name: str, args: argparse.Namespace, profile) -> dict:
     real = []
     for i in range(args.runs):
         print(f"{name}: real run {i + 1} of {args.runs} ...", file=sys.stderr, flush=True)
-        real.append(run_real(requests, config, name=name))
+        trace = None
+        if args.trace_dir:
+            trace = str(pathlib.Path(args.trace_dir) / name.replace(", ", "-") / f"run{i + 1}")
+        real.append(run_real(requests, dataclasses.replace(config, dp_trace=trace), name=name))
     sims = {variant: simulate(requests, config, without(profile, zeroed), name=name, **options)
             for variant, (options, zeroed) in VARIANTS.items()}
     rows = []

@@ -9,13 +9,15 @@ Two parts, both on the real engine:
    the MLP's share is timed with hooks on every layer's MLP. Fitted by non-negative least
    squares on relative errors (every point weighs the same whatever its length);
 2. **the group** (real DP ranks, the level and the per-tick and EP terms): a short
-   tick-clocked replay of :func:`calibration_workload` on ``dp_size`` real ranks with the
+   tick-clocked replay of :func:`calibration_workload` (the ranks computing together, one
+   alone, one prefilling beside the other's decodes) on ``dp_size`` real ranks with the
    per-tick trace on; the simulator replays the same workload (its steps equal the real
    run's, tick for tick) with the grid's coefficients, and every tick's duration for the
    group (:func:`group_step_durations`) is fitted, by non-negative least squares in seconds,
    as ``compute_scale`` × the grid's slowest-rank compute × (1 + ``contention`` × the share
    of it the other ranks spend computing beside it,
-   :func:`~atom.dp.sim.cost_model.overlap_shares`) + ``tick_s``, on each tick's median over
+   :func:`~atom.dp.sim.cost_model.overlap_shares`) + ``seq_overhead_s`` × its sequences +
+   ``tick_s``, on each tick's median over
    :data:`GROUP_REPLAYS` replays (one disturbed replay does not move it); with expert
    parallelism a second set of replays, the experts now sharded, fits ``ep_fixed_s`` and
    ``ep_row_s`` per micro-batch on what that leaves. The grid gives the
@@ -23,13 +25,18 @@ Two parts, both on the real engine:
    front end and whatever else runs, give their level.
 
 The profile records the machine (CPU model and flags, threads), dtype, model, date, the raw
-measurements and both fits' errors. Runs take a minute or two each on two cores.
+measurements (the grid's points with their micro-batches, every replay's seconds per tick) and
+the fits' errors: :func:`refit` fits a profile again from them, to try a change of the cost
+model on a machine's measurements without measuring again. Runs take a few minutes on two
+cores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 import logging
 import platform
 import statistics
@@ -220,36 +227,56 @@ def fit_grid(measurements: list[dict]) -> tuple[dict, dict]:
     tokens = np.array([sum(mb.num_tokens for mb in x) for x in mbs], dtype=float)
     mlp = np.array([m["mlp_seconds"] for m in measurements])
     real = tokens > 0
-    slope = np.polyfit(tokens[real], mlp[real], 1)[0]
-    coefficients = dict(zip(_FEATURES, coef.tolist()), mlp_token_s=max(0.0, float(slope)))
+    slope, intercept = np.polyfit(tokens[real], mlp[real], 1)
+    coefficients = dict(zip(_FEATURES, coef.tolist()), mlp_token_s=max(0.0, float(slope)),
+                        mlp_step_s=min(max(0.0, float(intercept)), float(coef[0])))
     predicted = a @ coef
     points = [{"point": m["point"], "measured_s": m["seconds"], "predicted_s": float(p),
-               "mlp_s": m["mlp_seconds"]} for m, p in zip(measurements, predicted)]
+               "mlp_s": m["mlp_seconds"], "micro_batches": m["micro_batches"]}
+              for m, p in zip(measurements, predicted)]
     return coefficients, {**rel_errors(predicted, t), "points": points}
 
 
 def calibration_workload() -> list[TraceRequest]:
     """The group fit's workload (tick-clocked; not the experiment's, which the accuracy
-    benchmark checks): bursts of short and medium requests over both ranks, so ticks range
-    from decodes to mixed and full prefill steps."""
-    return bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
-                  prompt_len=(16, 320), output_len=(4, 24), seed=7)
+    benchmark checks), three kinds of ticks so the level and the contention separate:
+
+    1. bursts of short and medium requests over both ranks (arriving at ticks 0-36, done by
+       about tick 85): both ranks prefill, then decode, together;
+    2. rank 0 alone (from tick 90): one prompt of 48-288 tokens at a time, rank 1 idle (its
+       dummy batch contends with nothing);
+    3. one rank prefills while the other decodes (from tick 120): rank 1 decodes seven long
+       outputs (the experiments' batches reach 8 sequences; the bursts' decodes stay at 1-4)
+       while rank 0 takes prompts of 64-256 tokens.
+
+    Fitted on the first kind alone, the level and the contention trade off against each other
+    (every tick had the ranks computing together): on an AVX2 Zen 3 the dense fit came out
+    0.83 and 0.27 and under-predicted the experiment's prefill ticks of one rank beside
+    another's decodes by 10-17 % (docs/DP_EXPERIMENTS.md, run G)."""
+    def pinned(request_id: str, prompt_len: int, output_len: int, rank: int, tick: int):
+        return TraceRequest(request_id, synthetic_prompt(request_id, prompt_len), output_len,
+                            arrival_tick=tick, dp_rank=rank)
+
+    together = bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
+                      prompt_len=(16, 320), output_len=(4, 24), seed=7)
+    alone = [pinned(f"a{i}", n, 3, 0, 90 + 6 * i) for i, n in enumerate((48, 96, 160, 224, 288))]
+    beside = ([pinned(f"d{i}", 32, 30, 1, 120) for i in range(7)]
+              + [pinned(f"p{i}", n, 3, 0, 124 + 6 * i) for i, n in enumerate((64, 128, 192, 256))])
+    return together + alone + beside
 
 
-def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
-              requests: list[TraceRequest], *, replays: int = GROUP_REPLAYS
-              ) -> tuple[dict, dict]:
-    """Run ``requests`` tick-clocked on real ranks ``replays`` times and once in the simulator
-    (with ``coefficients``); fit the group's terms on every tick's duration, its median over
-    the replays.
-    Without expert parallelism: ``compute_scale``, ``contention`` and ``tick_s``
-    (``coefficients`` holds the grid's only): the tick lasts ``compute_scale`` × the grid's
-    slowest-rank compute × (1 + ``contention`` × the share of it the other ranks spend
-    computing beside it) + ``tick_s``. With it: ``ep_fixed_s`` and ``ep_row_s`` on what the
-    level, the contention and the tick, fitted before on the same model without expert
-    parallelism (in ``coefficients``), leave: the compute and the EP rows both grow with the
-    step's tokens, so fitted together the collectives would take the compute's share. Returns
-    the terms and the fit's errors."""
+def workload_digest(requests: list[TraceRequest]) -> str:
+    """A short digest of a workload (every request's fields, prompt tokens included): a
+    profile records its calibration workload's, so :func:`refit` can tell that the replays'
+    ticks are the workload's it would simulate."""
+    text = json.dumps([dataclasses.astuple(r) for r in requests])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def measure_group(config: EngineConfig, requests: list[TraceRequest], *,
+                  replays: int = GROUP_REPLAYS) -> list[dict[int, float]]:
+    """Run ``requests`` tick-clocked on real ranks ``replays`` times: each replay's seconds
+    per tick (:func:`group_step_durations`)."""
     from atom.dp.dp_trace import read_trace
     from atom.dp.sim.replay import run_real
 
@@ -258,6 +285,25 @@ def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
         with tempfile.TemporaryDirectory(prefix="atom-calibrate-") as folder:
             run_real(requests, dataclasses.replace(config, dp_trace=folder), name="calibration")
             runs.append(group_step_durations(read_trace(folder)[0].rows))
+    return runs
+
+
+def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
+              requests: list[TraceRequest], runs: list[dict[int, float]]
+              ) -> tuple[dict, dict]:
+    """Fit the group's terms on ``runs`` (:func:`measure_group`: real tick-clocked replays of
+    ``requests``) against the simulator's replay of the same requests (with
+    ``coefficients``), on every tick's duration, its median over the replays.
+    Without expert parallelism: ``compute_scale``, ``contention``, ``seq_overhead_s`` and
+    ``tick_s`` (``coefficients`` holds the grid's only): the tick lasts ``compute_scale`` ×
+    the grid's slowest-rank compute × (1 + ``contention`` × the share of it the other ranks
+    spend computing beside it) + ``seq_overhead_s`` × that rank's sequences + ``tick_s``.
+    With it: ``ep_fixed_s`` and ``ep_row_s`` on what the
+    level, the contention and the tick, fitted before on the same model without expert
+    parallelism (in ``coefficients``), leave: the compute and the EP rows both grow with the
+    step's tokens, so fitted together the collectives would take the compute's share. Returns
+    the terms and the fit's errors, with the replays' seconds per tick (``tick_seconds``:
+    ``[tick, [seconds per replay]]``, what a refit needs)."""
     profile = Profile(Coefficients(**{**coefficients, "ep_fixed_s": 0.0, "ep_row_s": 0.0}),
                       model_facts=facts)
     step_log = _simulate_with_log(requests, config, profile).step_log
@@ -275,10 +321,11 @@ def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
     log = [simulated[tick] for tick in ticks]
     measured = np.array([statistics.median(periods[tick] for periods in runs) for tick in ticks])
     if not config.enable_expert_parallel:
-        a = np.array([[cost.compute_s, cost.compute_s * cost.others_busy, 1.0] for cost in log])
+        a = np.array([[cost.compute_s, cost.compute_s * cost.others_busy, cost.num_seqs, 1.0]
+                      for cost in log])
         x = nnls(a, measured)
-        terms = {"compute_scale": float(x[0]), "tick_s": float(x[2]),
-                 "contention": float(x[1] / x[0]) if x[0] > 0 else 0.0}
+        terms = {"compute_scale": float(x[0]), "seq_overhead_s": float(x[2]),
+                 "tick_s": float(x[3]), "contention": float(x[1] / x[0]) if x[0] > 0 else 0.0}
         predicted = a @ x
     else:
         rest = np.array([cost.total_s for cost in log])  # the scaled compute + the tick
@@ -287,8 +334,10 @@ def fit_group(config: EngineConfig, coefficients: dict, facts: dict,
                        * (config.data_parallel_size - 1)] for cost in log])
         x = nnls(a, measured - rest)
         terms, predicted = {"ep_fixed_s": float(x[0]), "ep_row_s": float(x[1])}, rest + a @ x
-    return terms, {**rel_errors(predicted, measured),
-                   "real_wall_s": float(measured.sum()), "replays": replays}
+    return terms, {**rel_errors(predicted, measured), "real_wall_s": float(measured.sum()),
+                   "replays": len(runs), "workload": workload_digest(requests),
+                   "tick_seconds": [[tick, [periods[tick] for periods in runs]]
+                                    for tick in ticks]}
 
 
 def group_step_durations(rows: list[dict]) -> dict[int, float]:
@@ -313,6 +362,64 @@ def _simulate_with_log(requests, config: EngineConfig, profile: Profile):
     return sim
 
 
+def _group_configs(config: EngineConfig) -> dict[str, EngineConfig]:
+    """The group fits' deployments, in fit order: ``group`` (no expert parallelism) and, for
+    an expert-parallel ``config``, ``group_ep``."""
+    group_config = dataclasses.replace(config, num_kv_blocks=config.num_kv_blocks or 64,
+                                       max_model_len=1024, enable_prefix_caching=False)
+    configs = {"group": dataclasses.replace(group_config, enable_expert_parallel=False)}
+    if config.enable_expert_parallel:
+        configs["group_ep"] = group_config
+    return configs
+
+
+def fit_all(config: EngineConfig, measurements: list[dict], facts: dict,
+            runs: dict[str, list[dict[int, float]]]) -> tuple[dict, dict]:
+    """Every coefficient from the measurements: the grid's (:func:`measure_grid`) and the
+    group replays' (``runs``: :func:`measure_group`'s per part of :func:`_group_configs`;
+    empty: no group terms). Returns the coefficients and the fits' errors by part."""
+    coefficients, grid_fit = fit_grid(measurements)
+    fit = {"grid": grid_fit}
+    for part, group_config in _group_configs(config).items():
+        if part in runs:
+            terms, fit[part] = fit_group(group_config, coefficients, facts,
+                                         calibration_workload(), runs[part])
+            coefficients.update(terms)
+    return coefficients, fit
+
+
+def refit(profile: Profile, config: EngineConfig) -> Profile:
+    """``profile`` fitted again from the measurements it records (the grid's points and the
+    group replays' seconds per tick) with this code's cost model: a change to the model or
+    its fit tried on a machine's measurements without measuring again. ``config``: the
+    deployment it was calibrated for (as given to :func:`calibrate`).
+
+    Raises:
+        ValueError: a profile without the measurements (calibrated before they were kept), or
+            whose replays ran another calibration workload.
+    """
+    points = profile.fit.get("grid", {}).get("points", [])
+    if not points or "micro_batches" not in points[0]:
+        raise ValueError("this profile does not keep its grid's micro-batches: calibrate again")
+    measurements = [{"point": p["point"], "seconds": p["measured_s"], "mlp_seconds": p["mlp_s"],
+                     "micro_batches": p["micro_batches"]} for p in points]
+    runs = {}
+    for part in _group_configs(config):
+        if part in profile.fit:
+            if "tick_seconds" not in profile.fit[part]:
+                raise ValueError(f"this profile does not keep its {part} replays' seconds per "
+                                 "tick: calibrate again")
+            if profile.fit[part].get("workload") != workload_digest(calibration_workload()):
+                raise ValueError(f"this profile's {part} replays ran another calibration "
+                                 "workload than this code's: calibrate again")
+            ticks = profile.fit[part]["tick_seconds"]
+            runs[part] = [{tick: seconds[i] for tick, seconds in ticks}
+                          for i in range(len(ticks[0][1]))]
+    coefficients, fit = fit_all(config, measurements, profile.model_facts, runs)
+    coefficients["wake_s"] = profile.coefficients.wake_s
+    return dataclasses.replace(profile, coefficients=Coefficients(**coefficients), fit=fit)
+
+
 def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> Profile:
     """Measure and fit (module docstring). ``config``: the deployment to calibrate for
     (``data_parallel_size`` ranks, model, dtype, ``moe_split_experts``, expert parallelism;
@@ -327,19 +434,11 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
     config = dataclasses.replace(config, num_threads=threads)
     start = time.monotonic()
     measurements, facts = measure_grid(config, repeats=repeats)
-    coefficients, grid_fit = fit_grid(measurements)
-    fit = {"grid": grid_fit}
+    runs = {}
     if group:
-        group_config = dataclasses.replace(config, num_kv_blocks=config.num_kv_blocks or 64,
-                                           max_model_len=1024, enable_prefix_caching=False)
-        terms, fit["group"] = fit_group(
-            dataclasses.replace(group_config, enable_expert_parallel=False), coefficients,
-            facts, calibration_workload())
-        coefficients.update(terms)
-        if config.enable_expert_parallel:
-            terms, fit["group_ep"] = fit_group(group_config, coefficients, facts,
-                                               calibration_workload())
-            coefficients.update(terms)
+        for part, group_config in _group_configs(config).items():
+            runs[part] = measure_group(group_config, calibration_workload())
+    coefficients, fit = fit_all(config, measurements, facts, runs)
     model = config.model or "embedded SmolLM2-135M-Instruct"
     if config.moe_split_experts:
         model += f", MLPs split into {config.moe_split_experts} experts (model (a))"

@@ -4,11 +4,14 @@ Only the forward pass is modelled; every decision comes from the engine's own co
 (seconds; coefficients in a :class:`Profile`, fitted by ``atom sim calibrate``,
 :mod:`atom.dp.sim.calibrate`)::
 
-    micro-batch on rank r   c_r = k·(step_s + token_s·T_r + mlp_token_s·R + sampled_s·S_r
-                                     + seq_s·N_r + prefill_pair_s·P_r + decode_context_s·D_r)
-    a dummy micro-batch     c_r = k·(dummy_s + mlp_token_s·R)         (no tokens of its own)
-    rank r's step           t_r = (1 + contention·b_r/(W-1)) · c_r,  c_r = Σ over its
-                                  micro-batches (1, or 2 with TBO)
+    micro-batch on rank r   c_r = k·(step_s + token_s·T_r + sampled_s·S_r + seq_s·N_r
+                                     + prefill_pair_s·P_r + decode_context_s·D_r)
+      with EP and M > 0     c_r = k·(step_s − mlp_step_s·(1 − 1/W) + (token_s − mlp_token_s)·T_r
+                                     + mlp_token_s·R + sampled_s·S_r + ...)
+    a dummy micro-batch     c_r = k·dummy_s;  with EP and M > 0: k·(dummy_s + mlp_step_s/W
+                                                                   + mlp_token_s·R)
+    rank r's step           t_r = (1 + contention·b_r/(W-1)) · c_r + seq_overhead_s·N_r,
+                                  c_r = Σ over its micro-batches (1, or 2 with TBO)
     EP collectives          e   = n_mb · (ep_fixed_s + ep_row_s·M·(W-1))     (M > 0)
     the group's step        t   = max_r t_r + e + tick_s
     rank r's outputs        at tick_s + t_r after the step's start (no EP: a rank sends its
@@ -30,14 +33,23 @@ each other; ranks on their own accelerators do not (0). (Until issue 39, b_r cou
 other rank that computed at all, for the whole of rank r's compute: a long prefill beside a
 short decode paid the contention for its whole length, and the model over-predicted the
 steps without a prefill policy by about 20 % on a Zen 4 VM.) Without
-expert parallelism ``token_s`` covers the MLP and R = 0; with it every rank runs its experts
-on the W·M padded rows of every rank at 1/W of the experts, so the MLP's share of
-``token_s`` (``mlp_token_s``) moves to R = M·I rows, dummy batches included, where I is the
+expert parallelism ``token_s`` and ``step_s`` cover the MLP; with it every rank runs its
+experts on the W·M padded rows of every rank at 1/W of the experts, so the MLP's share of
+``token_s`` (``mlp_token_s``) moves to R = M·I rows, dummy batches included, and a rank reads
+1/W of the experts' weights: of the MLP's fixed part per forward (``mlp_step_s``, in
+``step_s``: the intercept of the grid's MLP seconds over its tokens) it pays 1/W, a dummy batch
+of a step with tokens too (before run G of docs/DP_EXPERIMENTS.md every EP rank paid all of it:
+fitted at W = 2 the EP collectives' ``ep_fixed_s`` took the difference, which does not carry
+to other W). I is the
 step's expert imbalance (Σ_layers max-over-ranks / Σ_layers mean-over-ranks of the routed
 tokens: every layer's combine waits for its busiest rank; 1 when balanced, the default, and
 from a routing-skew model and the placement otherwise: :mod:`atom.dp.sim.experts`).
 ``tick_s`` is the per-tick overhead outside the forward (the two gathers, scheduling,
-outputs).
+outputs) and ``seq_overhead_s`` the per-sequence one (N_r: the sequences rank r steps, over
+its micro-batches): what a real rank does per sequence around the forward the grid times
+(scheduling, sampling parameters, output frames) and the front end's per-token work where it
+shares the cores. Both are fitted on real ranks (``calibrate.fit_group``); on an AVX2 Zen 3
+the grid alone under-predicted real decode steps of 5-8 sequences by about 10 % (run G).
 
 Where it is a guess: the per-rank terms are measured on this machine's model runner; the EP
 and tick terms are fitted on W = 2 real runs, so the ``(W-1)`` bandwidth factor (ring
@@ -68,6 +80,7 @@ class Coefficients:
     step_s: float = 0.0
     token_s: float = 0.0
     mlp_token_s: float = 0.0
+    mlp_step_s: float = 0.0  # the MLP's part of step_s (its weights, read once per forward)
     sampled_s: float = 0.0
     seq_s: float = 0.0
     prefill_pair_s: float = 0.0
@@ -79,6 +92,7 @@ class Coefficients:
     wake_s: float = 0.0  # an idle group's first tick after a request arrives
     compute_scale: float = 1.0  # real ranks' compute ÷ the grid's (calibrate.fit_group)
     contention: float = 0.0  # a rank's slow-down while every other rank computes beside it
+    seq_overhead_s: float = 0.0  # per sequence a real rank steps, outside the grid's forward
 
     def __post_init__(self):
         negative = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
@@ -182,8 +196,9 @@ def micro_batch(entries: Sequence[tuple[object, int, int]]) -> MicroBatch:
 @dataclass(frozen=True)
 class StepCost:
     """One step of the group, in parts (seconds): the slowest rank's compute, the EP
-    collectives, the tick's overhead; and what drove them (M, micro-batches, and the share
-    b_r/(W-1) of the other ranks computing beside the slowest, which ``contention`` scales);
+    collectives, the tick's overhead; and what drove them (M, micro-batches, the share
+    b_r/(W-1) of the other ranks computing beside the slowest, which ``contention`` scales,
+    and the slowest rank's sequences);
     when each rank's outputs leave it (module docstring)."""
 
     compute_s: float
@@ -193,6 +208,7 @@ class StepCost:
     num_micro_batches: int
     others_busy: float = 0.0
     rank_done_s: tuple[float, ...] = ()  # per rank: seconds from the start to its outputs
+    num_seqs: int = 0  # the slowest rank's N (its seq_overhead_s is in compute_s)
 
     @property
     def total_s(self) -> float:
@@ -242,20 +258,24 @@ class CostModel:
         self.slowest_rank = slowest_rank
         self.dummy_cost = dummy_cost
 
-    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int,
+    def micro_batch_s(self, mb: MicroBatch, *, max_num_tokens: int, world_size: int = 1,
                       expert_imbalance: float = 1.0) -> float:
         """One micro-batch's compute on one rank (``max_num_tokens``: the step's M;
-        ``expert_imbalance``: the step's I, 1 when the experts' tokens are balanced)."""
+        ``world_size``: W; ``expert_imbalance``: the step's I, 1 when the experts' tokens are
+        balanced)."""
         c = self.c
+        step, mlp = c.step_s, 0.0
         if self.expert_parallel:  # the MLP's share of token_s moves to the M padded rows
             per_token = max(0.0, c.token_s - c.mlp_token_s)
-            mlp = c.mlp_token_s * max_num_tokens * expert_imbalance
+            if max_num_tokens:  # and of step_s to the rank's 1/W of the experts, dummies too
+                step = max(0.0, c.step_s - c.mlp_step_s)
+                mlp = c.mlp_step_s / world_size + c.mlp_token_s * max_num_tokens * expert_imbalance
         else:
-            per_token, mlp = c.token_s, 0.0
+            per_token = c.token_s
         if mb.is_dummy:
             return c.compute_scale * ((c.dummy_s if self.dummy_cost else 0.0) + mlp)
         return c.compute_scale * (
-            c.step_s + per_token * mb.num_tokens + mlp + c.sampled_s * mb.num_sampled
+            step + per_token * mb.num_tokens + mlp + c.sampled_s * mb.num_sampled
             + c.seq_s * mb.num_seqs + c.prefill_pair_s * mb.prefill_pairs
             + c.decode_context_s * mb.decode_context)
 
@@ -269,10 +289,13 @@ class CostModel:
         busy = [max_num_tokens > 0 if self.expert_parallel else
                 any(not mb.is_dummy for mb in rank) for rank in batches]
         alone = [sum(self.micro_batch_s(mb, max_num_tokens=max_num_tokens,
+                                        world_size=world_size,
                                         expert_imbalance=expert_imbalance) for mb in rank)
                  for rank in batches]
         others = overlap_shares(alone, busy)
-        times = [(1 + self.c.contention * o) * t for t, o in zip(alone, others)]
+        num_seqs = [sum(mb.num_seqs for mb in rank) for rank in batches]
+        times = [(1 + self.c.contention * o) * t + self.c.seq_overhead_s * n
+                 for t, o, n in zip(alone, others, num_seqs)]
         slowest = max(range(world_size), key=times.__getitem__)
         compute = times[slowest] if self.slowest_rank else sum(times) / world_size
         num_micro_batches = len(batches[0])
@@ -282,7 +305,7 @@ class CostModel:
         done = tuple(total if self.expert_parallel else min(total, self.c.tick_s + t)
                      for t in times)
         return StepCost(compute, ep, self.c.tick_s, max_num_tokens, num_micro_batches,
-                        others[slowest], done)
+                        others[slowest], done, num_seqs[slowest])
 
     def ep_s(self, max_num_tokens: int, *, num_micro_batches: int, world_size: int) -> float:
         """The EP collectives of one step (none without EP, or when every batch is empty)."""

@@ -46,6 +46,10 @@ def test_dense_step_is_the_slowest_rank_plus_the_tick():
     assert free.step([[DUMMY], [DUMMY]]).total_s == 0.5
     # each rank's outputs leave when its own forward ends; the slowest's at the step's end
     assert cost.rank_done_s == pytest.approx((0.5 + decode, cost.total_s, 0.5 + 3.0))
+    # a real rank's work per sequence outside the forward: 4 decodes overtake one prefill
+    per_seq = CostModel(Profile(dataclasses.replace(C, seq_overhead_s=40.0)))
+    busy = per_seq.step([[DECODE], [PREFILL]])
+    assert busy.compute_s == pytest.approx(decode + 4 * 40.0) and busy.num_seqs == 4
 
 
 def test_contention_slows_a_rank_while_the_others_compute_beside_it():
@@ -83,6 +87,18 @@ def test_expert_parallel_mlp_runs_on_the_largest_batch():
     # routed tokens twice the mean on the busiest rank: twice the MLP rows everywhere
     skewed = model.micro_batch_s(DUMMY, max_num_tokens=100, expert_imbalance=2.0)
     assert skewed == pytest.approx(3.0 + 100.0)
+    # the MLP's fixed part (its weights, 6 of step_s's 10): each of the W = 2 ranks reads its
+    # half of the experts, a dummy rank of a step with tokens too; none when M = 0
+    split = CostModel(Profile(dataclasses.replace(C, mlp_step_s=6.0)), expert_parallel=True)
+    assert split.micro_batch_s(DECODE, max_num_tokens=100, world_size=2) == pytest.approx(
+        decode - 6.0 + 3.0)
+    assert split.micro_batch_s(DUMMY, max_num_tokens=100, world_size=2) == pytest.approx(
+        3.0 + 3.0 + 50.0)
+    assert split.micro_batch_s(DUMMY, max_num_tokens=0, world_size=2) == 3.0
+    assert split.step([[DECODE], [PREFILL]]).compute_s == pytest.approx(
+        model.step([[DECODE], [PREFILL]]).compute_s - 3.0)
+    assert CostModel(Profile(dataclasses.replace(C, mlp_step_s=6.0))).micro_batch_s(
+        DECODE, max_num_tokens=100, world_size=2) == pytest.approx(27.0)  # no EP: all of it
 
 
 def seq(num_prompt: int, *, computed: int, outputs: int = 0) -> Sequence:
@@ -132,11 +148,54 @@ def test_nnls_and_the_grid_fit_recover_known_coefficients():
                                  rng.integers(0, 5000, 20))]
     measurements = [{"point": {}, "seconds": sum(truth.micro_batch_s(mb, max_num_tokens=0)
                                                  for mb in mbs),
-                     "mlp_seconds": 0.5 * sum(mb.num_tokens for mb in mbs),
+                     "mlp_seconds": 4.0 + 0.5 * sum(mb.num_tokens for mb in mbs),
                      "micro_batches": [vars(mb) for mb in mbs]} for mbs in batches]
     coefficients, fit = fit_grid(measurements)
     assert fit["max_abs_rel_error"] < 1e-6 and coefficients["mlp_token_s"] == pytest.approx(0.5)
+    assert coefficients["mlp_step_s"] == pytest.approx(4.0)
     assert len(feature_row([DUMMY])) == 7
     for name in ("step_s", "token_s", "sampled_s", "seq_s", "prefill_pair_s",
                  "decode_context_s", "dummy_s"):
         assert coefficients[name] == pytest.approx(getattr(C, name), rel=1e-6)
+
+
+def test_the_group_fit_recovers_known_terms_and_a_profile_refits_from_what_it_records():
+    """Replays simulated with known level, contention and tick terms (their ticks equal the
+    real run's: step parity) are fitted back exactly; a profile keeps its grid's and its
+    replays' measurements, so :func:`refit` gives the same coefficients again."""
+    from atom.config import EngineConfig
+    from atom.dp.sim.calibrate import (_group_configs, _simulate_with_log, calibration_workload,
+                                       fit_all, refit)
+
+    config = EngineConfig(data_parallel_size=2, num_kv_blocks=32, max_num_seqs=8,
+                          max_model_len=1024, enable_prefix_caching=False)
+    facts = {"max_position_embeddings": 2048}
+    grid = dataclasses.replace(C, step_s=0.02, token_s=1e-3, sampled_s=1e-3, dummy_s=0.005,
+                               ep_fixed_s=0.0, ep_row_s=0.0, tick_s=0.0)
+    truth = dataclasses.replace(grid, compute_scale=0.8, contention=0.3, tick_s=0.01,
+                                seq_overhead_s=0.002)
+    rng = np.random.default_rng(1)
+    batches = [[DUMMY]] + [[MicroBatch(num_tokens=int(t), num_seqs=int(n), num_sampled=int(n),
+                                       prefill_pairs=float(p), decode_context=int(d))]
+                           for t, n, p, d in zip(rng.integers(1, 300, 20),
+                                                 rng.integers(1, 8, 20),
+                                                 rng.uniform(0, 4e4, 20),
+                                                 rng.integers(0, 3000, 20))]
+    measurements = [{"point": {}, "micro_batches": [vars(mb) for mb in mbs],
+                     "seconds": CostModel(Profile(grid)).micro_batch_s(mbs[0], max_num_tokens=0),
+                     "mlp_seconds": 0.5 * mbs[0].num_tokens} for mbs in batches]
+    group_config = _group_configs(config)["group"]
+    log = _simulate_with_log(calibration_workload(), group_config,
+                             Profile(truth, model_facts=facts)).step_log
+    runs = {"group": [{tick: cost.total_s for tick, cost in log}] * 3}
+    coefficients, fit = fit_all(config, measurements, facts, runs)
+    for name in ("compute_scale", "contention", "seq_overhead_s", "tick_s"):
+        assert coefficients[name] == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert fit["group"]["max_abs_rel_error"] < 1e-9 and len(fit["group"]["tick_seconds"]) > 20
+    profile = Profile(Coefficients(**coefficients), model_facts=facts, fit=fit)
+    assert refit(profile, config).coefficients == profile.coefficients
+    with pytest.raises(ValueError, match="calibrate again"):
+        refit(dataclasses.replace(profile, fit={"grid": {"points": [{"point": {}}]}}), config)
+    other = {**fit, "group": {**fit["group"], "workload": "another"}}
+    with pytest.raises(ValueError, match="another calibration workload"):
+        refit(dataclasses.replace(profile, fit=other), config)
