@@ -74,7 +74,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
-from atom.engine.core_proc import EngineCoreProc, ShutdownRequested, run_process
+from atom.engine.core_proc import (EngineCoreProc, ShutdownRequested, dump_stacks_if_still_running,
+                                   run_process)
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -453,6 +454,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         proc.send_ready()
         proc.run_busy_loop()
     finally:
+        dump_stacks_if_still_running()
         if core is not None:
             core.close()
         if proc is not None:

@@ -37,6 +37,7 @@ owns the lifecycle (it sends Shutdown on its way out).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -77,6 +78,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # idle wake-up period, only to notice that the parent died
 _STARTUP_FAILED_SEND_MS = 2000  # how long a failed core tries to hand its error over
+TEARDOWN_STACKS_AFTER_S = 5.0  # below the launcher's --term-timeout-s (10 s by default)
 # whether this process sent its ready message: an exception before it is a start-up failure
 # (reported to the front end as one line), after it a failure of the loop
 _ready_sent = False
@@ -84,6 +86,16 @@ _ready_sent = False
 
 class ShutdownRequested(BaseException):
     """SIGTERM arrived: leave the loop as if a Shutdown message had."""
+
+
+def dump_stacks_if_still_running(after_s: float = TEARDOWN_STACKS_AFTER_S) -> None:
+    """Arm a timer that prints every thread's stack to stderr (:mod:`faulthandler`) if this
+    process is still running ``after_s`` seconds from now; call it when a process starts
+    tearing down. A teardown that hangs is SIGKILLed by the launcher after
+    ``--term-timeout-s``, and without the stacks its log ends with the last line before the
+    hang (a two-node deployment's rank once stopped that way after its loop had ended, and
+    did not again when rerun)."""
+    faulthandler.dump_traceback_later(after_s, exit=False)
 
 
 def install_signal_handlers() -> None:
@@ -308,6 +320,7 @@ def _run_one_rank(args: argparse.Namespace) -> None:
         proc.send_ready()
         proc.run_busy_loop()
     finally:
+        dump_stacks_if_still_running()
         core.close()
         proc.close()
 

@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom.engine.llm_engine import DEAD, SERVING
 from atom.engine.core_client import EngineDeadError
+from atom.engine.core_proc import dump_stacks_if_still_running
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME
@@ -307,6 +308,7 @@ def run_server(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_drained)
         server.run(sockets=[listener])
+        dump_stacks_if_still_running()
         async_engine.stop()
         print_dp_summary(engine)  # the engine thread has ended: this thread may use it
     finally:
