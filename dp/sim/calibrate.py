@@ -252,7 +252,7 @@ def calibration_workload() -> list[TraceRequest]:
     Fitted on the first kind alone, the level and the contention trade off against each other
     (every tick had the ranks computing together): on an AVX2 Zen 3 the dense fit came out
     0.83 and 0.27 and under-predicted the experiment's prefill ticks of one rank beside
-    another's decodes by 10-17 % (docs/DP_EXPERIMENTS.md, run G)."""
+    another's decodes by 10-20 % (docs/DP_EXPERIMENTS.md, run G)."""
     def pinned(request_id: str, prompt_len: int, output_len: int, rank: int, tick: int):
         return TraceRequest(request_id, synthetic_prompt(request_id, prompt_len), output_len,
                             arrival_tick=tick, dp_rank=rank)
