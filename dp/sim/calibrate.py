@@ -379,11 +379,11 @@ def fit_all(config: EngineConfig, measurements: list[dict], facts: dict,
     group replays' (``runs``: :func:`measure_group`'s per part of :func:`_group_configs`;
     empty: no group terms). Returns the coefficients and the fits' errors by part."""
     coefficients, grid_fit = fit_grid(measurements)
-    fit = {"grid": grid_fit}
+    fit, requests = {"grid": grid_fit}, calibration_workload()
     for part, group_config in _group_configs(config).items():
         if part in runs:
-            terms, fit[part] = fit_group(group_config, coefficients, facts,
-                                         calibration_workload(), runs[part])
+            terms, fit[part] = fit_group(group_config, coefficients, facts, requests,
+                                         runs[part])
             coefficients.update(terms)
     return coefficients, fit
 
@@ -403,13 +403,13 @@ def refit(profile: Profile, config: EngineConfig) -> Profile:
         raise ValueError("this profile does not keep its grid's micro-batches: calibrate again")
     measurements = [{"point": p["point"], "seconds": p["measured_s"], "mlp_seconds": p["mlp_s"],
                      "micro_batches": p["micro_batches"]} for p in points]
-    runs = {}
+    runs, digest = {}, workload_digest(calibration_workload())
     for part in _group_configs(config):
         if part in profile.fit:
             if "tick_seconds" not in profile.fit[part]:
                 raise ValueError(f"this profile does not keep its {part} replays' seconds per "
                                  "tick: calibrate again")
-            if profile.fit[part].get("workload") != workload_digest(calibration_workload()):
+            if profile.fit[part].get("workload") != digest:
                 raise ValueError(f"this profile's {part} replays ran another calibration "
                                  "workload than this code's: calibrate again")
             ticks = profile.fit[part]["tick_seconds"]
@@ -436,8 +436,9 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
     measurements, facts = measure_grid(config, repeats=repeats)
     runs = {}
     if group:
+        requests = calibration_workload()
         for part, group_config in _group_configs(config).items():
-            runs[part] = measure_group(group_config, calibration_workload())
+            runs[part] = measure_group(group_config, requests)
     coefficients, fit = fit_all(config, measurements, facts, runs)
     model = config.model or "embedded SmolLM2-135M-Instruct"
     if config.moe_split_experts:
