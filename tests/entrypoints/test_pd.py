@@ -118,14 +118,29 @@ def engine_processes(server: RemoteServer) -> list[psutil.Process]:
     return [parent, *parent.children(recursive=True)]
 
 
-def wait_pull_in_flight(consumer: RemoteServer, failures_before: float, timeout_s: float = 60.0) -> None:
+def wait_pull_in_flight(consumer: RemoteServer, failures_before: float, timeout_s: float = 60.0,
+                        conn: socket.socket | None = None) -> None:
     """Liveness: the consumer's one pull is in flight within ``timeout_s`` (and has not already
-    ended: a pull that failed before the test saw it says so, instead of "never started")."""
+    ended: a pull that failed before the test saw it says so, instead of "never started"). On a
+    timeout the message gives the consumer's queues and what it answered on ``conn`` (the raw
+    connection the request went on), if anything."""
     deadline = time.monotonic() + timeout_s
     while consumer.metric("atom:num_requests_waiting_for_remote_kvs") != 1:
         failures = consumer.metric("atom:kv_transfer_failures_total")
         assert failures == failures_before, f"the pull failed before it was seen ({failures} failures)"
-        assert time.monotonic() < deadline, "the pull never started"
+        if time.monotonic() >= deadline:
+            state = {name: consumer.metric(f"atom:{name}") for name in (
+                "num_requests_waiting_for_remote_kvs", "num_requests_waiting",
+                "num_requests_running", "num_kv_blocks_used", "kv_transfers_total")}
+            answer = b""
+            if conn is not None:
+                conn.setblocking(False)
+                try:
+                    answer = conn.recv(2048)
+                except BlockingIOError:
+                    pass
+            raise AssertionError(f"the pull never started: consumer {state}; it answered "
+                                 f"{answer[:2048]!r}")
         time.sleep(0.1)  # polling a gauge
 
 
@@ -148,7 +163,7 @@ def test_client_disconnect_mid_transfer_frees_both_sides(pd):
         with socket.create_connection(("127.0.0.1", int(consumer.url.rsplit(":", 1)[1]))) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
                          b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-            wait_pull_in_flight(consumer, failures_before)
+            wait_pull_in_flight(consumer, failures_before, conn=conn)
         # the client is gone
         wait_kv_free(consumer)  # aborted while the producer is still frozen
         assert consumer.metric("atom:kv_transfer_failures_total") == failures_before  # not timed out
