@@ -14,8 +14,14 @@ tick-clocked test, tests/dp/sim/test_sim_parity.py).
     python scripts/sim_accuracy.py                       # the committed profiles
     python scripts/sim_accuracy.py --calibrate           # calibrate each model first
 
-Other processes on the machine change the real runs' speed; the load average is printed
-before and after, and the JSON (``--output-json``) keeps every run.
+Other processes on the machine, or the host under a VM, change the real runs' speed, and the
+model cannot know it: the load average is printed before and after, and the machine's speed is
+probed before the first run of a configuration and after each
+(:func:`atom.dp.sim.calibrate.machine_speed`: three calibration grid points timed again, ÷
+their calibration seconds; 1.2 = 20 % slower). "Error at the calibration's speed" divides each
+real run's metric by its speed (the mean of the probes around it) before the median: the
+model's error with the machine's drift taken out, to first order (a TTFT's queueing does not
+scale exactly with the step time). The JSON (``--output-json``) keeps every run and probe.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import sys
 from atom.config import EngineConfig
 from atom.dp.sim import default_profile_name, load_profile, simulate
 from atom.dp.sim import workload as W
-from atom.dp.sim.calibrate import machine_info
+from atom.dp.sim.calibrate import machine_info, machine_speed
 from atom.dp.sim.replay import run_real
 
 BASE = EngineConfig(data_parallel_size=2, dtype="float32", num_threads=1, num_kv_blocks=32,
@@ -44,6 +50,8 @@ CONFIGS = {"dense, none": dict(prefill_policy="none"),
 METRICS = (("wall time (s)", lambda r: r["elapsed_s"]),
            ("mean TTFT (ms)", lambda r: r["ttft_ms"]["mean"]),
            ("mean TPOT (ms)", lambda r: r["tpot_ms"]["mean"]))
+# the error with each real run's metric divided by the machine's speed then (machine_speed)
+AT_SPEED = "error at the calibration's speed"
 # the ablation: simulate() options, and the coefficients set to 0
 VARIANTS = {"model": ({}, ()), "no slowest-rank rule": ({"slowest_rank": False}, ()),
             "no dummy cost": ({"dummy_cost": False}, ()),
@@ -92,45 +100,55 @@ def without(profile, names: tuple[str, ...]):
 def measure(name: str, args: argparse.Namespace, profile) -> dict:
     config = dataclasses.replace(BASE, **CONFIGS[name])
     requests = W.dp_experiment()
-    real = []
+    real, probes = [], [machine_speed(config, profile)]
     for i in range(args.runs):
         print(f"{name}: real run {i + 1} of {args.runs} ...", file=sys.stderr, flush=True)
         trace = None
         if args.trace_dir:
             trace = str(pathlib.Path(args.trace_dir) / name.replace(", ", "-") / f"run{i + 1}")
         real.append(run_real(requests, dataclasses.replace(config, dp_trace=trace), name=name))
+        probes.append(machine_speed(config, profile))
+    # each run's speed: the mean of the probes just before and just after it
+    speeds = [(a + b) / 2 for a, b in zip(probes, probes[1:])]
     sims = {variant: simulate(requests, config, without(profile, zeroed), name=name, **options)
             for variant, (options, zeroed) in VARIANTS.items()}
     rows = []
     for label, get in METRICS:
         values = [get(r) for r in real]
         median = statistics.median(values)
+        at_speed = statistics.median(v / s for v, s in zip(values, speeds))
         rows.append({"metric": label, "real": values, "real_median": median,
                      **{variant: get(sim) for variant, sim in sims.items()},
                      **{f"error, {variant}": get(sim) / median - 1 for variant, sim in
-                        sims.items()}})
+                        sims.items()},
+                     AT_SPEED: get(sims["model"]) / at_speed - 1})
     steps = {"real": [r["num_steps"] for r in real], "sim": sims["model"]["num_steps"],
              "real mixed": [r["num_mixed_prefill_steps"] for r in real],
              "sim mixed": sims["model"]["num_mixed_prefill_steps"]}
     return {"config": name, "rows": rows, "steps": steps, "real_runs": real,
+            "machine_speed_probes": probes, "machine_speed_by_run": speeds,
             "sim": sims["model"]}
 
 
 def print_table(results: list[dict]) -> None:
     ablations = [v for v in VARIANTS if v != "model"]
     print("| configuration | metric | real (median of runs; all) | simulated | error | "
+          "error at the calibration's speed | "
           + " | ".join(f"error without {v.removeprefix('no ')}" for v in ablations) + " |")
-    print("|---" * (5 + len(ablations)) + "|")
+    print("|---" * (6 + len(ablations)) + "|")
     for result in results:
         for row in result["rows"]:
             runs = ", ".join(f"{v:.0f}" if v > 100 else f"{v:.1f}" for v in row["real"])
             print(f"| {result['config']} | {row['metric']} | {row['real_median']:.1f} ({runs}) | "
                   f"{row['model']:.1f} | {row['error, model']:+.1%} | "
+                  f"{row[AT_SPEED]:+.1%} | "
                   + " | ".join(f"{row[f'error, {v}']:+.1%}" for v in ablations) + " |")
     for result in results:
         s = result["steps"]
+        probes = ", ".join(f"{v:.2f}" for v in result["machine_speed_probes"])
         print(f"{result['config']}: forward steps real {s['real']} vs simulated {s['sim']}; "
-              f"mixed {s['real mixed']} vs {s['sim mixed']}")
+              f"mixed {s['real mixed']} vs {s['sim mixed']}; machine speed probes "
+              f"(seconds ÷ the calibration's, around the runs) {probes}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,6 +148,20 @@ def _run_point(core, point: dict, timer: _MLPTimer) -> tuple[float, float, list[
     return seconds, timer.total_s, [micro_batch(part) for part in parts]
 
 
+def _fill_kv_pool(core) -> None:
+    """Write every block of ``core``'s KV pool once (seeded normal values). The grid's
+    sequences read context no step wrote, and the pool comes from ``calloc``'s lazy zero pages
+    (:func:`atom.worker.model_runner.zeroed_kv_cache`): unfilled, their first reads and writes
+    of each page fault, which on a VM doubled a decode point's seconds (16 sequences of 64
+    tokens: 220 against 102 ms) in the cores whose pool the allocator had not reused, and not
+    in the others. A serving rank reads only blocks its prefills wrote."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    for cache in core.runner.kv_caches:
+        cache.normal_(0.0, 0.5, generator=generator)
+
+
 def measure_grid(config: EngineConfig, *, repeats: int = 3,
                  grid: list[dict] = GRID) -> tuple[list[dict], dict]:
     """Time every grid point on an in-process engine core built from ``config`` (its
@@ -166,6 +180,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         raise ValueError(f"atom sim calibrate draws token ids from {VOCAB_RANGE}: "
                          f"{config.model}'s vocabulary of {core.runtime.vocab_size} tokens is "
                          f"smaller; calibrate on a model with at least {VOCAB_RANGE[1]}")
+    _fill_kv_pool(core)
     timer = _MLPTimer(core.runner.model)
     try:
         runs: list[list[tuple]] = [[] for _ in grid]
@@ -187,6 +202,35 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
              "mlp_seconds": statistics.median(r[1] for r in point_runs),
              "micro_batches": [dataclasses.asdict(mb) for mb in point_runs[0][2]]}
             for point, point_runs in zip(grid, runs)], facts
+
+
+SPEED_PROBE: list[dict] = [{"decode": (1, 64)}, {"decode": (8, 64)}, {"prefill": [(64, 0)]}]
+
+
+def _point_key(point: dict) -> str:
+    return json.dumps(point, sort_keys=True)  # tuples and the JSON's lists alike
+
+
+def machine_speed(config: EngineConfig, profile: Profile, *,
+                  points: list[dict] = SPEED_PROBE) -> float:
+    """How much slower this machine runs now than when ``profile`` was measured: ``points``
+    (calibration grid points) timed again on an in-process engine core built from ``config``
+    (:func:`measure_grid`, 3 rounds), the median over the points of seconds now ÷ the
+    profile's seconds. 1.0: the same speed; 1.2: 20 % slower (other processes, the host's
+    CPU steal or clock). The accuracy benchmark times it around each real run: a run's error
+    is the model's only if the machine kept the calibration's speed.
+
+    Raises:
+        ValueError: the profile's grid did not measure one of ``points``.
+    """
+    recorded = {_point_key(p["point"]): p["measured_s"]
+                for p in profile.fit.get("grid", {}).get("points", [])}
+    missing = [p for p in points if _point_key(p) not in recorded]
+    if missing:
+        raise ValueError(f"the profile's calibration grid has no measurement of {missing}: "
+                         "probe with points of its grid")
+    measured, _ = measure_grid(config, grid=points)
+    return statistics.median(m["seconds"] / recorded[_point_key(m["point"])] for m in measured)
 
 
 def feature_row(mbs: list[MicroBatch]) -> list[float]:

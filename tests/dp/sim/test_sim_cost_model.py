@@ -199,3 +199,42 @@ def test_the_group_fit_recovers_known_terms_and_a_profile_refits_from_what_it_re
     other = {**fit, "group": {**fit["group"], "workload": "another"}}
     with pytest.raises(ValueError, match="another calibration workload"):
         refit(dataclasses.replace(profile, fit=other), config)
+
+
+def test_machine_speed_is_the_probe_points_seconds_over_the_calibrations(monkeypatch):
+    """:func:`machine_speed`: the median over the probe points of their seconds now ÷ the
+    profile's grid seconds, the points matched whether written as tuples or as the JSON's
+    lists (the timing itself, :func:`measure_grid`, is replaced: its numbers are the
+    machine's)."""
+    from atom.config import EngineConfig
+    from atom.dp.sim import calibrate
+
+    recorded = [{"point": {"decode": [1, 64]}, "measured_s": 0.05},
+                {"point": {"decode": [8, 64]}, "measured_s": 0.10},
+                {"point": {"prefill": [[64, 0]]}, "measured_s": 0.20}]
+    now = {'{"decode": [1, 64]}': 0.06, '{"decode": [8, 64]}': 0.10,
+           '{"prefill": [[64, 0]]}': 0.30}  # 1.2, 1.0 and 1.5 times the calibration's
+    monkeypatch.setattr(calibrate, "measure_grid", lambda config, grid: (
+        [{"point": p, "seconds": now[calibrate._point_key(p)]} for p in grid], {}))
+    profile = Profile(C, fit={"grid": {"points": recorded}})
+    assert calibrate.machine_speed(EngineConfig(), profile) == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="no measurement of"):
+        calibrate.machine_speed(EngineConfig(), profile, points=[{"decode": (2, 64)}])
+
+
+def test_the_grid_core_s_kv_pool_is_written_before_it_is_timed():
+    """The calibration grid's sequences read context no step wrote: every element of the
+    pool gets a (seeded, non-zero) value first, so no read lands on a lazy zero page."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from atom.dp.sim.calibrate import _fill_kv_pool
+
+    pools = [SimpleNamespace(runner=SimpleNamespace(kv_caches=[
+        torch.zeros(2, 4, 16, 3, 8), torch.zeros(2, 4, 16, 3, 8, dtype=torch.bfloat16)]))
+        for _ in range(2)]
+    for core in pools:
+        _fill_kv_pool(core)
+    for cache, again in zip(*(core.runner.kv_caches for core in pools)):
+        assert cache.count_nonzero() == cache.numel() and torch.equal(cache, again)
