@@ -6,7 +6,8 @@ Two parts, both on the real engine:
    model runner and sampler over a grid of batches (:data:`GRID`: decodes of 1-32 sequences
    at 64-512 tokens of context, prompt chunks of 16-512 tokens after 0-512 computed ones,
    mixed batches, the dummy batch, TBO splits), with the deployment's per-rank thread count;
-   the MLP's share is timed with hooks on every layer's MLP. Fitted by non-negative least
+   the MLP's share is timed with hooks on every layer's MLP, the KV pool written once before
+   (:func:`_fill_kv_pool`). Fitted by non-negative least
    squares on relative errors (every point weighs the same whatever its length);
 2. **the group** (real DP ranks, the level and the per-tick and EP terms): a short
    tick-clocked replay of :func:`calibration_workload` (the ranks computing together, one
