@@ -25,9 +25,8 @@ import numpy as np
 
 from atom.dp.sim import default_profile_name, load_profile, simulate
 from atom.dp.sim import cost_model
-from atom.dp.sim.calibrate import _simulate_with_log
+from atom.dp.sim.calibrate import _simulate_with_log, calibration_bursts
 from atom.dp.sim.cost_model import Profile
-from atom.dp.sim.workload import bursty
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from sim_accuracy import BASE, CONFIGS, METRICS, MOE, W  # noqa: E402  (the same runs)
@@ -38,13 +37,6 @@ REAL_A = {"dense, none": (13.5, 2779.0, 149.6), "dense, delayer": (15.2, 4787.0,
           "EP, none": (32.1, 8784.6, 343.9), "EP, delayer": (31.8, 12174.8, 325.6)}
 
 
-def run_a_workload():
-    """The calibration workload run A's profiles were fitted on (the bursts alone: run G of
-    docs/DP_EXPERIMENTS.md added a rank alone and one beside the other's decodes)."""
-    return bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
-                  prompt_len=(16, 320), output_len=(4, 24), seed=7)
-
-
 def whole_step(alone, busy):
     """The form before issue 39: every other rank that computes, for the whole step."""
     return [(sum(busy) - b) / max(1, len(alone) - 1) for b in busy]
@@ -53,7 +45,7 @@ def whole_step(alone, busy):
 def step_costs(config, coefficients, form, facts):
     cost_model.overlap_shares = form
     try:
-        sim = _simulate_with_log(run_a_workload(), config,
+        sim = _simulate_with_log(calibration_bursts(), config,  # run A's calibration workload
                                  Profile(coefficients, model_facts=facts))
         return [cost for _, cost in sim.step_log]
     finally:

@@ -282,6 +282,13 @@ def fit_grid(measurements: list[dict]) -> tuple[dict, dict]:
     return coefficients, {**rel_errors(predicted, t), "points": points}
 
 
+def calibration_bursts() -> list[TraceRequest]:
+    """The first part of :func:`calibration_workload` (ticks 0-36; the whole of it before run G
+    of docs/DP_EXPERIMENTS.md, so run A's committed profiles were fitted on it alone)."""
+    return bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
+                  prompt_len=(16, 320), output_len=(4, 24), seed=7)
+
+
 def calibration_workload() -> list[TraceRequest]:
     """The group fit's workload (tick-clocked; not the experiment's, which the accuracy
     benchmark checks), three kinds of ticks so the level and the contention separate:
@@ -302,8 +309,7 @@ def calibration_workload() -> list[TraceRequest]:
         return TraceRequest(request_id, synthetic_prompt(request_id, prompt_len), output_len,
                             arrival_tick=tick, dp_rank=rank)
 
-    together = bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
-                      prompt_len=(16, 320), output_len=(4, 24), seed=7)
+    together = calibration_bursts()
     alone = [pinned(f"a{i}", n, 3, 0, 90 + 6 * i) for i, n in enumerate((48, 96, 160, 224, 288))]
     beside = ([pinned(f"d{i}", 32, 30, 1, 120) for i in range(7)]
               + [pinned(f"p{i}", n, 3, 0, 124 + 6 * i) for i, n in enumerate((64, 128, 192, 256))])
