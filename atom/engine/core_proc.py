@@ -30,8 +30,9 @@ Lifecycle and exit codes:
 - an exception in the loop → the traceback on stderr, nothing more is sent, exit 1. A client
   notices the exit code (``EngineDeadError``).
 
-SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the front end
-owns the lifecycle (it sends Shutdown on its way out).
+SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group of a launched rank,
+and the front end owns the lifecycle (it sends Shutdown on its way out). A core its front end
+spawned runs in a session of its own (:mod:`atom.engine.spawned_ranks`) and gets neither.
 """
 
 from __future__ import annotations

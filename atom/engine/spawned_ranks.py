@@ -5,7 +5,11 @@ One ``python -m ENTRY_MODULE`` process per rank, over ``ipc://`` sockets in a fr
 folder (so two deployments on one machine never collide), with the rank contract in each
 environment (RANK=i, WORLD_SIZE=N, LOCAL_RANK=i, LOCAL_WORLD_SIZE=N, MASTER_ADDR=127.0.0.1, a
 free MASTER_PORT, TORCHELASTIC_RESTART_COUNT = the group's generation, OMP_NUM_THREADS from
-:func:`atom.config.resolve_num_threads`); their stderr is forwarded line by line.
+:func:`atom.config.resolve_num_threads`); their stderr is forwarded line by line. Each starts in
+a session (process group) of its own: a signal sent to the front end's whole group (``timeout``,
+``kill -- -PGID``, a terminal's Ctrl-C) reaches the front end alone, which drains and then
+stops its ranks (a rank that stopped on its own copy of a SIGTERM failed the requests in flight
+as a rank failure). An orphaned rank still ends: :func:`atom.engine.parent_watch.watch_parent`.
 
 After a rank failure (docs/ARCHITECTURE.md, "Rank failures") the client kills every process of
 the group and starts the one :meth:`SpawnedRanks.successor` returns: a fresh set (a new
@@ -152,7 +156,8 @@ class SpawnedRanks(RankProcesses):
             argv = [sys.executable, "-m", self.entry_module,
                     *core_argv(config, input_addr=input_addrs[rank], output_addr=output_addr,
                                extra_eos_token_ids=extra_eos_token_ids)]
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                    start_new_session=True)
             self.procs.append(proc)
             tail: collections.deque = collections.deque(maxlen=_STDERR_TAIL_LINES)
             self._tails.append(tail)

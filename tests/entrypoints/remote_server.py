@@ -31,14 +31,15 @@ _ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--num-threads",
 class RemoteServer:
     """``atom serve ARGS`` in a subprocess (``launcher``: e.g. ``("launch", "--nproc-per-node",
     "2")`` to start it as a launched deployment; ``stderr``: a file for its stderr, else
-    ours); ready once ``/health`` answers 200.
+    ours; ``new_session``: in a process group of its own, which a test may signal as a whole,
+    as ``timeout`` or a service manager does); ready once ``/health`` answers 200.
 
     Raises:
         RuntimeError: the process exited or was not healthy within the start-up timeout.
     """
 
     def __init__(self, *args: str, api_key: str | None = None, data_parallel_size: int = 1,
-                 launcher: tuple[str, ...] = (), stderr=None):
+                 launcher: tuple[str, ...] = (), stderr=None, new_session: bool = False):
         holder, self.port = reserve_port()  # held until the server is up (no other socket takes it)
         self.data_parallel_size = data_parallel_size
         self.api_key = api_key
@@ -48,7 +49,7 @@ class RemoteServer:
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ},
-                                     stderr=stderr)
+                                     stderr=stderr, start_new_session=new_session)
         with holder:
             self._wait_healthy()
 

@@ -3,6 +3,7 @@ server under ``atom launch``."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -52,18 +53,23 @@ def test_a_port_in_use_fails_in_one_line_before_the_engine_loads():
                                    f"use: stop what holds it or pick another --port")
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0():
+def test_sigterm_to_the_whole_process_group_drains_in_flight_requests_and_exits_0():
+    """As from ``timeout`` or ``kill -- -PGID``: only the front end may act on it, and it
+    drains (an engine core that got the signal too stopped at once, and the request failed
+    with a 503 "dp rank 0 is dead ... exit code 0")."""
     # a generous grace period: on two shared, busy cores a short request can take a minute
-    server = RemoteServer("--drain-timeout", "600")
+    server = RemoteServer("--drain-timeout", "600", new_session=True, stderr=subprocess.PIPE)
     cores = _engine_cores(server)
     client = server.client()
     stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
                                        stream=True, extra_body={"ignore_eos": True})
     chunks = [next(iter(stream))]
-    server.proc.send_signal(signal.SIGTERM)
+    os.killpg(server.proc.pid, signal.SIGTERM)
     chunks += list(stream)  # the in-flight request runs to its end
     assert chunks[-1].choices[0].finish_reason == "length"
     assert server.proc.wait(600) == 0
+    stderr = server.proc.stderr.read().decode()
+    assert "rank failure" not in stderr and "Traceback" not in stderr, stderr
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cores)
 
 
