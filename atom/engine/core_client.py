@@ -184,6 +184,14 @@ class EngineCoreClient(abc.ABC):
     def shutdown(self) -> None:
         """Stop the cores and free what the client holds. Idempotent; never raises."""
 
+    def check_ranks(self) -> None:
+        """Take the frames that arrived (heartbeats) and look for a rank that exited or went
+        silent, without waiting; in-process there is nothing to check.
+
+        Raises:
+            RankFailedError: a rank died or hung (multiprocess).
+        """
+
     def call_utility(self, method: str) -> dict:
         """``method`` on every core, merged over ranks (:func:`merge_rank_results`)."""
         return merge_rank_results(self.call_utility_per_rank(method))
@@ -403,6 +411,9 @@ class MPClient(EngineCoreClient):
 
     def is_alive(self) -> bool:
         return self._failed is None and self.ranks.is_alive()
+
+    def check_ranks(self) -> None:
+        self._poll(0.0)
 
     def recover(self, error: RankFailedError) -> None:
         """Start the group that follows ``error`` (``ranks.successor`` under

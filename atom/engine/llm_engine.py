@@ -369,6 +369,15 @@ class LLMEngine:
             self._recover(error)
             return fn()
 
+    def check_ranks(self) -> None:
+        """Recover now from a rank that died or hung since the last call (a front end with no
+        request in flight calls it: nothing else would look until the next request).
+
+        Raises:
+            EngineDeadError: the deployment cannot go on (``status`` is then ``dead``).
+        """
+        self._call_recovering(self.client.check_ranks)
+
     def client_is_alive(self) -> bool:
         """False once the engine-core process has exited (always True in-process)."""
         return self.client.is_alive()

@@ -5,13 +5,15 @@ prompt plus the tokens already streamed: every stream completes, its greedy text
 undisturbed run's, no request waits for the group timeout (600 s), new requests succeed,
 ``/health`` reports the new membership, and no KV block stays in use. Each new group logs
 the membership change at its tick 0 on every rank: in the lockstep check's log line and as an
-event in its own folder of the per-tick trace (the lost group's trace is kept).
+event in its own folder of the per-tick trace (the lost group's trace is kept). A rank killed
+while nothing is in flight is replaced without waiting for a request.
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import time
 
 import pytest
 
@@ -107,3 +109,23 @@ def test_each_new_group_logs_the_membership_change_at_tick_0_on_every_rank(serve
                 ("membership_change", 0, generation, 2), event
             assert t.rows and t.rows[0]["tick"] == 0, t.rows[:1]
         assert len({t.events[0]["num_collectives"] for t in ranks}) == 1  # the same on both
+
+
+def test_a_rank_killed_while_the_server_is_idle_is_replaced_before_any_request(server, folder):
+    """Nothing in flight and nothing sent after the kill (behind a load balancer that routes
+    only to healthy backends, no request would ever come): the idle engine thread notices the
+    failure by itself, and ``/health`` then reports the new group."""
+    log = folder / "server.stderr"
+    kill_signal(engine_cores(server)[1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "rank failure in generation 2" not in log.read_text():
+        assert time.monotonic() < deadline, "no request came and the failure went unnoticed"
+        time.sleep(0.2)
+    deadline = time.monotonic() + 300
+    while (body := health(server)[1])["status"] != "serving":
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
+    assert body["generation"] == 3 and body["dp_size"] == 2, body
+    last = body["rank_failures"][-1]
+    assert (last["dp_rank"], last["kind"], last["generation"]) == (1, "dead", 2), last
+    check_serves_new_requests(server)

@@ -45,7 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atom.engine.llm_engine import DEAD, SERVING
+from atom.engine.llm_engine import DEAD, SERVING, LLMEngine
 from atom.engine.core_client import EngineDeadError
 from atom.engine.core_proc import dump_stacks_if_still_running
 from atom.entrypoints.openai import protocol as p
@@ -59,6 +59,14 @@ from atom.entrypoints.openai.serving_completion import create_completion
 logger = logging.getLogger(__name__)
 
 _HEALTH_TIMEOUT_S = 10.0  # a stats round trip through every engine core must finish in this
+
+
+def _probe(engine: LLMEngine) -> tuple[bool, dict]:
+    """``/health``'s question to the engine thread: a failed rank is recovered from first (the
+    call then outlasts the health timeout, and later ones see ``recovering``), then a stats
+    round trip through every core."""
+    engine.check_ranks()
+    return engine.client_is_alive() and bool(engine.get_stats()), engine.membership()
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | None) -> FastAPI:
@@ -95,9 +103,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
         body = {"status": status.state, "message": status.message, **status.membership}
         if status.state == SERVING:
             try:
-                alive, membership = await engine.call(
-                    lambda e: (e.client_is_alive() and bool(e.get_stats()), e.membership()),
-                    timeout_s=_HEALTH_TIMEOUT_S)
+                alive, membership = await engine.call(_probe, timeout_s=_HEALTH_TIMEOUT_S)
                 body.update(membership)
             except EngineDeadError as exc:
                 alive, body["status"], body["message"] = False, DEAD, str(exc)

@@ -7,7 +7,9 @@ waiting for the engine cores. So one thread owns it and does everything with it:
     engine thread: drain commands → engine.step() → RequestOutputs
     engine thread ──(loop.call_soon_threadsafe)──> one asyncio.Queue per request
 
-While no request is unfinished the thread sleeps on the command queue (no polling). A request
+While no request is unfinished the thread sleeps on the command queue, waking every
+:data:`IDLE_CHECK_S` to look at its ranks (:meth:`LLMEngine.check_ranks`): a rank that dies
+while the server is idle is recovered from at once, not when the next request comes. A request
 whose consumer goes away (client disconnect, cancelled task) is aborted by :meth:`generate`'s
 ``finally``; a request that finished inside the engine is never aborted (no abort message).
 
@@ -38,6 +40,8 @@ from atom.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+IDLE_CHECK_S = 1.0  # an idle engine thread's wake-up period, to notice a failed rank
 
 
 @dataclass
@@ -196,8 +200,11 @@ class AsyncEngine:
     def _handle_commands(self, *, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once told to stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=IDLE_CHECK_S) if block else \
+                self._commands.get_nowait()
         except queue.Empty:
+            if block:
+                self.engine.check_ranks()
             return True
         while True:
             if isinstance(command, _Stop):
