@@ -71,11 +71,12 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
         trace_dir: write the per-tick trace there (the ``--dp-trace`` format).
         slowest_rank, dummy_cost: the cost model's rules (off only for ablations).
         routing: where the routed tokens go (:mod:`atom.dp.sim.experts`: a skew model, or a
-            real run's recorded counts); with expert parallelism the step's expert compute
+            real run's recorded counts; expert parallelism only): the step's expert compute
             follows it, and ``enable_eplb`` runs EPLB's controller on it. None = balanced.
     Raises:
         ValueError: a bad workload, a profile that cannot be read, expert parallelism on a
-            model with fewer experts than ranks, or EPLB without a routing source.
+            model with fewer experts than ranks, EPLB without a routing source, or a routing
+            source without expert parallelism.
     """
     profile_name = None  # a Profile object given in memory has no name
     if not isinstance(profile, Profile):
@@ -86,6 +87,10 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
         raise ValueError("EPLB in the simulator balances routed tokens: give it a routing "
                          "source (atom.dp.sim.experts: ExpertPopularity.zipf or .read, or "
                          "RecordedExpertLoad.from_trace)")
+    if routing is not None and not config.enable_expert_parallel:
+        raise ValueError("a routing skew costs time only under expert parallelism (without it "
+                         "every rank computes every expert): set enable_expert_parallel "
+                         "(--enable-expert-parallel) too")
     if config.enable_expert_parallel:
         num_experts = (routing.num_experts if routing is not None
                        else config.moe_split_experts or facts.get("num_experts"))

@@ -81,11 +81,19 @@ def _routing(args: argparse.Namespace):
     from atom.dp.sim.experts import ExpertPopularity
 
     if args.routing_load is not None:
-        return ExpertPopularity.read(args.routing_load, top_k=args.routing_top_k)
+        try:
+            return ExpertPopularity.read(args.routing_load, top_k=args.routing_top_k)
+        except ValueError as exc:
+            raise ValueError(f"--routing-load {args.routing_load}: {exc} (and --routing-top-k "
+                             f"{args.routing_top_k})") from None
     if args.routing_zipf is not None:
-        return ExpertPopularity.zipf(args.routing_layers, args.routing_experts,
-                                     top_k=args.routing_top_k, exponent=args.routing_zipf,
-                                     seed=args.workload_seed)
+        try:
+            return ExpertPopularity.zipf(args.routing_layers, args.routing_experts,
+                                         top_k=args.routing_top_k, exponent=args.routing_zipf,
+                                         seed=args.workload_seed)
+        except ValueError as exc:
+            raise ValueError(f"{exc}: change --routing-zipf, --routing-experts, "
+                             f"--routing-layers or --routing-top-k") from None
     return None
 
 
@@ -106,10 +114,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     experts = result.get("experts")
     if experts is not None:
         windows = experts.get("windows", [])
-        print(f"experts: mean step imbalance {experts['mean_imbalance']:.2f}"
-              + (f"; EPLB windows {len(windows)}, balancedness first "
-                 f"{windows[0]['balancedness']:.3f}, last {windows[-1]['balancedness']:.3f}, "
-                 f"{experts['num_rebalances']} rebalance(s)" if windows else ""))
+        eplb = ""
+        if windows:
+            eplb = (f"; EPLB windows {len(windows)}, balancedness first "
+                    f"{windows[0]['balancedness']:.3f}, last {windows[-1]['balancedness']:.3f}, "
+                    f"{experts['num_rebalances']} rebalance(s)")
+        elif config.enable_eplb:
+            eplb = (f"; EPLB never acted: the run's {sim['num_ticks']} ticks closed no window "
+                    f"of {config.eplb_window_size} (shorten --eplb-window-size and "
+                    f"--eplb-step-interval, or run longer)")
+        print(f"experts: mean step imbalance {experts['mean_imbalance']:.2f}{eplb}")
     if args.output_json:
         _write_json(args.output_json, result)
     return 0
@@ -192,9 +206,9 @@ def add_sim_parser(sub, fmt) -> None:
                      help="dummy batches cost time (off: nothing; ablation)")
     routing = run.add_mutually_exclusive_group()
     routing.add_argument("--routing-zipf", type=float, metavar="EXPONENT",
-                         help="route the MoE tokens with a Zipf expert popularity (expert "
-                              "parallelism: the experts' imbalance costs time; needed by "
-                              "--enable-eplb)")
+                         help="route the MoE tokens with a Zipf expert popularity (needs "
+                              "--enable-expert-parallel: the experts' imbalance costs time; "
+                              "--enable-eplb needs a routing)")
     routing.add_argument("--routing-load", metavar="FILE",
                          help="route with the popularity of a recorded LLM.get_expert_load() "
                               "(.npy or JSON [layers, experts])")

@@ -61,13 +61,18 @@ class ExpertPopularity:
             layer's routed (token, expert) pairs.
         top_k: experts per token.
     Raises:
-        ValueError: a row that does not sum to 1, or a share above ``1 / top_k`` (a token
-            picks an expert once).
+        ValueError: not 2-D or empty, ``top_k`` not 1 to E, a row that does not sum to 1, or a
+            share above ``1 / top_k`` (a token picks an expert once).
     """
 
     def __init__(self, popularity: np.ndarray, *, top_k: int):
         popularity = np.asarray(popularity, dtype=np.float64)
-        if popularity.ndim != 2 or not np.allclose(popularity.sum(axis=1), 1.0):
+        if popularity.ndim != 2 or popularity.size == 0:
+            raise ValueError(f"popularity must be [layers, experts], got shape {popularity.shape}")
+        if not 1 <= top_k <= popularity.shape[1]:
+            raise ValueError(f"top_k {top_k}: a token picks 1 to {popularity.shape[1]} distinct "
+                             f"experts (the layer's number)")
+        if not np.allclose(popularity.sum(axis=1), 1.0):
             raise ValueError("popularity must be [layers, experts] with rows summing to 1")
         if (popularity > 1.0 / top_k + 1e-9).any():
             raise ValueError(f"a share above 1/top_k = {1 / top_k:.3f}: a token picks an "
@@ -80,7 +85,16 @@ class ExpertPopularity:
              seed: int = 0) -> ExpertPopularity:
         """Zipf popularity (the ``r``-th most popular expert's share ∝ ``r ** -exponent``,
         capped at ``1 / top_k``), the ranking a seeded random permutation per layer (hot
-        experts anywhere); ``exponent`` 0 is uniform."""
+        experts anywhere); ``exponent`` 0 is uniform. Raises ValueError for no layer or
+        expert, a ``top_k`` not 1 to ``num_experts``, or an exponent that is negative or not
+        finite."""
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"a Zipf popularity needs a layer and an expert (got {num_layers} "
+                             f"layers, {num_experts} experts)")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k}: a token picks 1 to {num_experts} distinct experts")
+        if not (np.isfinite(exponent) and exponent >= 0):
+            raise ValueError(f"Zipf exponent {exponent}: a finite number >= 0 (0 is uniform)")
         rng = np.random.default_rng(seed)
         shares = _capped(np.arange(1, num_experts + 1, dtype=np.float64) ** -exponent,
                          1.0 / top_k)

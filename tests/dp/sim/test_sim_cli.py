@@ -69,11 +69,29 @@ def test_sweep_writes_json_and_png(tmp_path, profile):
     (["sim", "run", "--workload", "bursty", "--profile", "no-such-profile"], "no profile"),
     (["sim", "run", "--data-parallel-size", "8", "--moe-split-experts", "4",
       "--enable-expert-parallel"], "at least that many experts"),
+    (["sim", "run", "--data-parallel-size", "2", "--routing-zipf", "1.2"],
+     "set enable_expert_parallel (--enable-expert-parallel) too"),
+    *[(["sim", "run", "--data-parallel-size", "2", "--enable-expert-parallel", *extra],
+       "change --routing-zipf, --routing-experts, --routing-layers or --routing-top-k")
+      for extra in (["--routing-zipf", "1", "--routing-top-k", "0"],
+                    ["--routing-zipf", "1", "--routing-experts", "4", "--routing-top-k", "8"],
+                    ["--routing-zipf", "1", "--routing-layers", "0"],
+                    ["--routing-zipf", "nan"])],
 ])
 def test_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_eplb_that_closed_no_window_says_so(profile, capsys):
+    assert main(["sim", "run", *SMALL, "--workload", "bursty", "--clock", "tick",
+                 "--workload-arg", "num_requests=8", "--profile", profile,
+                 "--enable-expert-parallel", "--moe-split-experts", "4",
+                 "--routing-zipf", "1.2", "--routing-experts", "4", "--routing-top-k", "2",
+                 "--enable-eplb"]) == 0
+    assert re.search(r"EPLB never acted: the run's \d+ ticks closed no window of 1000",
+                     capsys.readouterr().out)
 
 
 def test_calibration_grid_on_the_real_model_runner():
