@@ -322,7 +322,8 @@ class EngineConfig:
                                             ("eplb_fake_uniform", False))
                      if getattr(self, name) != off]
         if uses_eplb and not self.enable_eplb:
-            raise ValueError(f"{', '.join(uses_eplb)} need enable_eplb (--enable-eplb)")
+            raise ValueError(f"{' and '.join(uses_eplb)} need{'s' * (len(uses_eplb) == 1)} "
+                             f"enable_eplb (--enable-eplb)")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb balances the experts of expert parallelism: set "
                              "enable_expert_parallel (--enable-expert-parallel) too")

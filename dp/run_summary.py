@@ -9,7 +9,8 @@ by rank are written ``rank 0 / rank 1 / ...``::
     atom: DP 2, EP 4 experts (2 a rank), TBO on; per rank: requests 2 / 1, steps 7 / 7,
     dummy 0 / 1, TBO 1 / 1; prefill policy delayer: 0 holds (hold rate 0.00, longest 0 ticks)
 
-(one line). The prefill policy's counters are the group's (identical on every rank).
+(one line). With EPLB the layout reads ``EP 4 experts + 2 redundant slots (3 a rank), EPLB 2
+rebalance(s), last balancedness 0.97``. The prefill policy's counters are the group's (identical on every rank).
 """
 
 from __future__ import annotations
@@ -51,17 +52,27 @@ def dp_summary_line(rank_stats: list[dict], *, config: EngineConfig,
     holds = (f"prefill policy {config.resolved_prefill_policy()}: {num_holds} holds (hold rate "
              f"{policy.get('prefill_policy_hold_rate', 0.0):.2f}, longest "
              f"{int(policy.get('prefill_policy_max_consecutive_holds', 0))} ticks)")
-    return (f"atom: DP {num_ranks}, {_expert_layout(config, num_experts, num_ranks)}, TBO "
+    return (f"atom: DP {num_ranks}, {_expert_layout(config, num_experts, rank_stats)}, TBO "
             f"{'on' if config.enable_tbo else 'off'}; per rank: requests {requests}, steps "
             f"{per_rank('num_steps')}, dummy {per_rank('num_dummy_steps')}, TBO "
             f"{per_rank('num_tbo_steps')}; {holds}")
 
 
-def _expert_layout(config: EngineConfig, num_experts: int | None, num_ranks: int) -> str:
+def _expert_layout(config: EngineConfig, num_experts: int | None, rank_stats: list[dict]) -> str:
+    num_ranks = len(rank_stats)
     if num_experts is None:
         return "EP off (dense model)"
     if not config.enable_expert_parallel:
         return f"EP off ({num_experts} experts on every rank)"
+    if config.enable_eplb:  # EPLB's slots: as many on every rank (config checks)
+        redundant = config.eplb_num_redundant_experts
+        slots = f" + {redundant} redundant slots" if redundant else ""
+        eplb = rank_stats[0]  # the group's counters, identical on every rank
+        balancedness = eplb.get("eplb_balancedness")
+        return (f"EP {num_experts} experts{slots} ({(num_experts + redundant) // num_ranks} a "
+                f"rank), EPLB {int(eplb.get('eplb_num_rebalances', 0))} rebalance(s), last "
+                f"balancedness " + ("none (no window closed)" if balancedness is None
+                                    else f"{balancedness:.2f}"))
     sizes = [end - start for start, end in (expert_range(num_experts, rank, num_ranks)
                                             for rank in range(num_ranks))]
     per = f"{sizes[0]} a rank" if len(set(sizes)) == 1 else " / ".join(map(str, sizes))

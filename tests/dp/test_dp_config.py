@@ -154,7 +154,9 @@ def test_eplb_flags_and_their_checks():
                        (dict(on, eplb_num_redundant_experts=-1), ">= 0"),
                        (dict(on, eplb_min_balancedness=1.5), r"\[0, 1\]"),
                        (dict(on, eplb_step_interval=0), ">= 1"),
-                       (dict(data_parallel_size=2, eplb_num_redundant_experts=2), "need enable_eplb"),
+                       (dict(data_parallel_size=2, eplb_num_redundant_experts=2), "needs enable_eplb"),
+                       (dict(data_parallel_size=2, eplb_num_redundant_experts=2,
+                             eplb_fake_uniform=True), "and eplb_fake_uniform need enable_eplb"),
                        (dict(data_parallel_size=2, enable_eplb=True), "enable_expert_parallel"),
                        (dict(enable_expert_parallel=True, enable_eplb=True), "data parallelism")):
         with pytest.raises(ValueError, match=match):

@@ -39,3 +39,17 @@ def test_dense_and_unsharded_models():
     assert moe.startswith("atom: DP 2, EP off (4 experts on every rank), TBO off;")
     ep = EngineConfig(data_parallel_size=2, enable_expert_parallel=True)
     assert "EP 4 experts (2 a rank)" in dp_summary_line(stats, config=ep, num_experts=4)
+
+
+def test_eplb_slots_rebalances_and_balancedness():
+    config = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                          eplb_num_redundant_experts=2)
+    before = [_stats(r, eplb_num_rebalances=0) for r in range(2)]
+    assert ("EP 4 experts + 2 redundant slots (3 a rank), EPLB 0 rebalance(s), last "
+            "balancedness none (no window closed), TBO off;") in \
+        dp_summary_line(before, config=config, num_experts=4)
+    after = [_stats(r, eplb_num_rebalances=2, eplb_balancedness=0.9712) for r in range(2)]
+    no_redundant = EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
+                                enable_eplb=True)
+    assert "EP 4 experts (2 a rank), EPLB 2 rebalance(s), last balancedness 0.97, TBO off;" in \
+        dp_summary_line(after, config=no_redundant, num_experts=4)
