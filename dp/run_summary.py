@@ -10,7 +10,8 @@ by rank are written ``rank 0 / rank 1 / ...``::
     dummy 0 / 1, TBO 1 / 1; prefill policy delayer: 0 holds (hold rate 0.00, longest 0 ticks)
 
 (one line). With EPLB the layout reads ``EP 4 experts + 2 redundant slots (3 a rank), EPLB 2
-rebalance(s), last balancedness 0.97``. The prefill policy's counters are the group's (identical on every rank).
+rebalance(s), last balancedness 0.97``. The prefill policy's counters are the group's
+(identical on every rank).
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ def _routing(args: argparse.Namespace):
         try:
             return ExpertPopularity.read(args.routing_load, top_k=args.routing_top_k)
         except ValueError as exc:
-            raise ValueError(f"--routing-load {args.routing_load}: {exc} (and --routing-top-k "
-                             f"{args.routing_top_k})") from None
+            raise ValueError(f"--routing-load {args.routing_load} with --routing-top-k "
+                             f"{args.routing_top_k}: {exc}") from None
     if args.routing_zipf is not None:
         try:
             return ExpertPopularity.zipf(args.routing_layers, args.routing_experts,
@@ -120,9 +120,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                     f"{windows[0]['balancedness']:.3f}, last {windows[-1]['balancedness']:.3f}, "
                     f"{experts['num_rebalances']} rebalance(s)")
         elif config.enable_eplb:
-            eplb = (f"; EPLB never acted: the run's {sim['num_ticks']} ticks closed no window "
-                    f"of {config.eplb_window_size} (shorten --eplb-window-size and "
-                    f"--eplb-step-interval, or run longer)")
+            eplb = (f"; EPLB never acted: the run's {result['num_steps']} steps ended before "
+                    f"the first window closed, at step {config.eplb_step_interval} "
+                    f"(--eplb-step-interval; shorten it and --eplb-window-size, or run longer)")
         print(f"experts: mean step imbalance {experts['mean_imbalance']:.2f}{eplb}")
     if args.output_json:
         _write_json(args.output_json, result)
