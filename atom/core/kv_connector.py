@@ -38,6 +38,8 @@ The next step decodes ``f`` (its KV goes to slot 10 of local block 2) and sample
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +74,29 @@ class KVLayout(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         return (f"{self.architecture}, dtype={self.dtype}, block_size={self.block_size}, "
                 f"{self.num_layers} layers ({describe_layers(self.layers)})")
+
+
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def transfer_endpoint(host: str, port: int) -> str:
+    """The ZMQ endpoint of a producer's KV transfer address: ``tcp://HOST:PORT`` (an IPv6
+    address in brackets).
+
+    Raises:
+        ValueError: ``host`` is neither an IP address nor a hostname (RFC 1123 labels, at most
+            253 characters), or ``port`` is not 1 to 65535; the message says which.
+    """
+    if not 1 <= port <= 65535:
+        raise ValueError(f"remote_port {port} is not a TCP port (1 to 65535)")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if len(host) > 253 or not _HOSTNAME.fullmatch(host):
+            raise ValueError(f"remote_host {host!r} is neither an IP address nor a hostname: "
+                             f"send the producer's kv_transfer_params unchanged") from None
+        return f"tcp://{host}:{port}"
+    return f"tcp://[{address}]:{port}" if address.version == 6 else f"tcp://{address}:{port}"
 
 
 @dataclass(frozen=True)
@@ -177,6 +202,10 @@ class KVConnectorScheduler:
                         f"(this is {self.role})")
             if params.remote_host is None or params.remote_port is None or params.first_token_id is None:
                 return "do_remote_prefill needs remote_host, remote_port and first_token_id"
+            try:
+                transfer_endpoint(params.remote_host, params.remote_port)
+            except ValueError as exc:
+                return str(exc)
             if params.remote_num_tokens != num_prompt_tokens:
                 return (f"the producer computed {params.remote_num_tokens} tokens but this prompt "
                         f"has {num_prompt_tokens}: send the same prompt to both")

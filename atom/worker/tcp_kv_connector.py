@@ -42,7 +42,8 @@ import torch
 import xxhash
 import zmq
 
-from atom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVLayout, LoadSpec
+from atom.core.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout, LoadSpec,
+                                    transfer_endpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -372,14 +373,19 @@ class TCPKVConnector:
                 self._finish(("cancelled", arg))
                 continue
             spec: LoadSpec = arg
-            endpoint = f"tcp://{spec.params.remote_host}:{spec.params.remote_port}"
-            conn = conns.get(endpoint)
-            if conn is None:
-                conn = conns[endpoint] = self._connect(endpoint, poller)
+            try:  # checked at admission too: this thread must outlive any one bad request
+                endpoint = transfer_endpoint(spec.params.remote_host, spec.params.remote_port)
+                conn = conns.get(endpoint)
+                if conn is None:
+                    conn = conns[endpoint] = self._connect(endpoint, poller)
+            except (ValueError, zmq.ZMQError) as exc:
+                self._fail(spec, f"cannot connect to the producer at {spec.params.remote_host}:"
+                                 f"{spec.params.remote_port}: {exc}")
+                continue
             remote_id = spec.params.remote_request_id
             pending[remote_id] = _Pending(spec, conn, now, now + self.pull_timeout_s)
             if conn.error is not None:
-                self._fail(pending.pop(remote_id), conn.error)
+                self._fail(pending.pop(remote_id).spec, conn.error)
             elif conn.ready:
                 conn.sock.send(_encoder.encode(Pull(remote_id, spec.remote_block_ids)))
             else:
@@ -388,7 +394,12 @@ class TCPKVConnector:
     def _connect(self, endpoint: str, poller: zmq.Poller) -> _Conn:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
-        sock.connect(endpoint)
+        sock.ipv6 = True  # an IPv6 producer address (IPv4 ones work as before)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         poller.register(sock, zmq.POLLIN)
         sock.send(_encoder.encode(Handshake(self.layout)))
         return _Conn(endpoint, sock)
@@ -410,7 +421,7 @@ class TCPKVConnector:
                 if p is None:
                     continue
                 if conn.error is not None:
-                    self._fail(pending.pop(remote_id), conn.error)
+                    self._fail(pending.pop(remote_id).spec, conn.error)
                 else:
                     conn.sock.send(_encoder.encode(Pull(remote_id, p.spec.remote_block_ids)))
             conn.queued = []
@@ -421,7 +432,7 @@ class TCPKVConnector:
             error = message.error or self._check_frames(message, frames[1:],
                                                            len(p.spec.local_block_ids))
             if error is not None:
-                self._fail(p, f"pulling the KV from {conn.endpoint} failed: {error}")
+                self._fail(p.spec, f"pulling the KV from {conn.endpoint} failed: {error}")
                 return
             conn.sock.send(_encoder.encode(Release(message.request_id, completed=True)))
             self.stats["kv_transfers"] += 1
@@ -452,16 +463,16 @@ class TCPKVConnector:
             conn = conns.pop(endpoint)
             for remote_id in [r for r, p in pending.items() if p.conn is conn]:
                 self.stats["kv_transfer_timeouts"] += 1
-                self._fail(pending.pop(remote_id), (
+                self._fail(pending.pop(remote_id).spec, (
                     f"no reply from the producer at {endpoint} within {self.pull_timeout_s:g} s "
                     f"(kv_transfer_timeout_s): it died or is unreachable"))
             poller.unregister(conn.sock)
             conn.sock.close(linger=0)
 
-    def _fail(self, p: _Pending, error: str) -> None:
+    def _fail(self, spec: LoadSpec, error: str) -> None:
         self.stats["kv_transfer_failures"] += 1
-        logger.error("request %s: %s", p.spec.request_id, error)
-        self._finish(("failed", p.spec.request_id, error))
+        logger.error("request %s: %s", spec.request_id, error)
+        self._finish(("failed", spec.request_id, error))
 
     def _finish(self, item: tuple) -> None:
         self._done.put(item)

@@ -101,7 +101,8 @@ def decode_body(prompt: str, params: dict, **extra) -> dict:
 
 def test_unpulled_kv_is_freed_after_the_keep_timeout(pd):
     """A consumer that never pulls (it died after the prefill): the producer frees on its keep
-    timeout; the stale params then fail on a consumer with an error."""
+    timeout; the stale params then fail on a consumer with an error, as do params whose address
+    is malformed."""
     producer, consumer, _ = pd
     before = producer.metric("atom:kv_transfer_timeouts_total")
     params = prefill(producer, "One, two, three, four,")
@@ -110,6 +111,12 @@ def test_unpulled_kv_is_freed_after_the_keep_timeout(pd):
     assert producer.metric("atom:kv_transfer_timeouts_total") == before + 1
     resp = consumer.post("/v1/completions", json=decode_body("One, two, three, four,", params))
     assert resp.status_code == 400 and "holds no KV" in resp.json()["error"]["message"]
+    # an address ZMQ cannot parse: that request's 400 (it killed the consumer's transfer
+    # thread once, and every later request of the server hung)
+    resp = consumer.post("/v1/completions", json=decode_body(
+        "One, two, three, four,", {**params, "remote_host": "not a host!!"}))
+    assert resp.status_code == 400 and "neither an IP address nor a hostname" in \
+        resp.json()["error"]["message"]
     wait_kv_free(consumer)
 
 

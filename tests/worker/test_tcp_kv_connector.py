@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from atom.core.block_manager import BlockManager
-from atom.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVLayout, KeepSpec, LoadSpec
+from atom.core.kv_connector import (KVConnectorMetadata, KVConnectorScheduler, KVLayout, KeepSpec,
+                                    LoadSpec, transfer_endpoint)
 from atom.kv_cache_spec import KVCacheSpec
 from atom.worker.tcp_kv_connector import TCPKVConnector
 from atom.messages import KVTransferParams
@@ -140,6 +141,20 @@ def test_check_request_refuses_mismatched_params():
     assert "n=1" in connector.check_request(ok, num_prompt_tokens=5, n=2)
     assert "producer" in connector.check_request(KVTransferParams(do_remote_decode=True),
                                                  num_prompt_tokens=5, n=1)
+    for host in ("10.0.0.7", "::1", "node-3.cluster.local"):
+        params = msgspec.structs.replace(ok, remote_host=host)
+        assert connector.check_request(params, num_prompt_tokens=5, n=1) is None, host
+    for bad, named in ((dict(remote_host="not a host!!"), "neither an IP address nor a hostname"),
+                       (dict(remote_host="-x.org"), "neither"), (dict(remote_host="a" * 254), "neither"),
+                       (dict(remote_port=0), "not a TCP port"), (dict(remote_port=70000), "not a TCP")):
+        params = msgspec.structs.replace(ok, **bad)
+        assert named in connector.check_request(params, num_prompt_tokens=5, n=1), bad
+
+
+def test_transfer_endpoint_brackets_ipv6():
+    assert transfer_endpoint("::1", 5) == "tcp://[::1]:5"
+    assert transfer_endpoint("10.0.0.7", 5) == "tcp://10.0.0.7:5"
+    assert transfer_endpoint("h", 65535) == "tcp://h:65535"
 
 
 # ----- the TCP transport, two real connectors -----
@@ -239,6 +254,26 @@ def test_unknown_request_and_dead_producer_fail_the_pull(producer):
         out = wait_output(consumer, lambda o: o.failed_recving)
         assert "no reply from the producer" in out.failed_recving["y"]
         assert consumer.stats["kv_transfer_timeouts"] == 1
+    finally:
+        consumer.close()
+
+
+def test_a_pull_the_thread_cannot_connect_fails_alone_and_the_next_one_runs(producer):
+    """A load whose address ZMQ refuses (admission checks it; this is the transport's own
+    guard) fails that request; the transport thread goes on (it died with the ZMQError, and
+    every later pull of the engine waited forever)."""
+    consumer = TCPKVConnector("consumer", caches(LAYOUT, 8, seed=None), LAYOUT)
+    try:
+        good = load("bad", producer.port, [1], [0])
+        bad = LoadSpec("bad", msgspec.structs.replace(good.params, remote_host="not a host!!"),
+                       [1], [0])
+        consumer.start_load_kv(KVConnectorMetadata(loads=[bad]))
+        out = wait_output(consumer, lambda o: o.failed_recving)
+        assert "cannot connect to the producer at not a host!!" in out.failed_recving["bad"]
+        producer.start_load_kv(KVConnectorMetadata(keeps=[KeepSpec("p-c", [1])]))
+        consumer.start_load_kv(KVConnectorMetadata(loads=[load("c", producer.port, [1], [0])]))
+        out = wait_output(consumer, lambda o: o.finished_recving or o.failed_recving)
+        assert out.finished_recving == {"c"}, out
     finally:
         consumer.close()
 
