@@ -47,7 +47,8 @@ def _error(message: str, status: int = 400, *, type: str = "invalid_request_erro
 
 def unsupported(path: str, body: dict) -> str | None:
     """Why ``body`` cannot go through P/D, or None."""
-    if body.get("n", 1) != 1:
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:  # a bad n: the instance's 400
         return "n > 1 is not supported through atom pd-proxy: send n=1"
     if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
         return "logprobs and echo are not supported through atom pd-proxy"
@@ -154,10 +155,29 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], *, timeout_s: flo
 
 
 async def _relay(resp) -> AsyncIterator[str]:
-    """A decode instance's SSE stream, as it comes; closing it closes the upstream request."""
+    """A decode instance's SSE stream, whole events as they come; closing it closes the upstream
+    request.
+
+    Raises:
+        APIError: (502) the instance's connection broke mid-stream (it died): the events relayed
+            so far stand, the partial one is dropped, and the client's stream ends with an
+            error event (:func:`atom.entrypoints.openai.api_server.respond`).
+    """
+    import httpx
+
+    from atom.entrypoints.openai.serving import APIError
+
+    pending = ""  # the text after the last whole event
     try:
         async for text in resp.aiter_text():
-            yield text
+            events, sep, pending = (pending + text).rpartition("\n\n")
+            if sep:
+                yield events + sep
+        if pending:
+            yield pending
+    except httpx.TransportError as exc:
+        raise APIError(f"the decode instance {resp.request.url} failed mid-stream: {exc}",
+                       status=502, type="server_error") from exc
     finally:
         await resp.aclose()
 
