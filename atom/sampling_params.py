@@ -66,36 +66,51 @@ class SamplingParams(msgspec.Struct):
     logit_bias: dict[int, float] = {}
 
     def __post_init__(self) -> None:
+        # normalize what may come in another shape; a wrong type stays for its check below
+        # (a ValueError naming the field, never a TypeError from a conversion)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        if self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        _check(isinstance(self.logit_bias, dict)
+               and all(_is_int(k) or (isinstance(k, str) and k.lstrip("-").isdigit())
+                       for k in self.logit_bias)
+               and all(_is_real(v) for v in self.logit_bias.values()), "logit_bias",
+               self.logit_bias, "a map of token ids to numbers")
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _check(_is_real(getattr(self, name)), name, getattr(self, name), "a number")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
                "top_k", self.top_k, "-1, 0 (both disable) or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "None or an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
                "min_tokens", self.min_tokens, "an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+               "stop", self.stop, "a string or a list of non-empty strings")
+        _check(isinstance(self.stop_token_ids, list)
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and 0 <= value <= _MAX_LOGPROBS),
+            _check(value is None or (_is_int(value) and 0 <= value <= _MAX_LOGPROBS),
                    name, value, f"None or an integer in [0, {_MAX_LOGPROBS}]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed,
                "None or an integer")
         if self.top_k == -1:
             self.top_k = 0
@@ -108,6 +123,15 @@ class SamplingParams(msgspec.Struct):
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """An int or float that is not a bool (NaN included: the range checks refuse it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -45,8 +45,13 @@ def test_bad_requests_fail_alone(llm):
     assert stats["num_running"] == stats["num_waiting"] == 0
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0),
-                                         ("top_k", -5), ("n", 0), ("logprobs", 100)])
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0), ("top_k", -5), ("n", 0),
+    ("logprobs", 100),
+    # a wrong type is the same ValueError (a conversion raised TypeError for these once)
+    ("stop", 5), ("stop_token_ids", 3), ("temperature", "hot"), ("top_p", None),
+    ("logit_bias", [1]), ("logit_bias", {"x": 1.0}), ("logit_bias", {1: "a"}),
+    ("max_tokens", True), ("seed", 1.5)])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
