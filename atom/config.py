@@ -280,6 +280,17 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         """The speculative decoding settings (``__post_init__``). Raises ValueError."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for names, method in ((("draft_model", "draft_num_layers"), "draft"),
+                              (("prompt_lookup_min", "prompt_lookup_max"), "ngram"),
+                              (("num_speculative_tokens", "spec_log_every_steps"), None)):
+            changed = [n for n in names if getattr(self, n) != defaults[n]]
+            if changed and (self.speculative_method is None
+                            or method not in (None, self.speculative_method)):
+                raise ValueError(f"{' and '.join(changed)} "
+                                 f"{'is' if len(changed) == 1 else 'are'} for speculative "
+                                 f"decoding: use --speculative-method {method or 'ngram|draft'} "
+                                 f"(speculative_method), or drop {'it' if len(changed) == 1 else 'them'}")
         if self.speculative_method is None:
             return
         if self.speculative_method not in SPECULATIVE_METHODS:

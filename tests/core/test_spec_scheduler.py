@@ -220,6 +220,14 @@ def test_ngram_proposer_rejects_bad_lengths():
     ({"speculative_method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"speculative_method": "draft"}, "draft_model .* or draft_num_layers"),
     ({"speculative_method": "draft", "draft_model": "x.gguf", "draft_num_layers": 0}, "must be >= 1"),
+    # a method's options without it did nothing, silently
+    ({"draft_num_layers": 3}, "draft_num_layers is for speculative decoding: use "
+                              "--speculative-method draft"),
+    ({"draft_model": "x.gguf"}, "--speculative-method draft"),
+    ({"num_speculative_tokens": 4}, "--speculative-method ngram|draft"),
+    ({"speculative_method": "ngram", "draft_num_layers": 3}, "--speculative-method draft"),
+    ({"speculative_method": "draft", "draft_num_layers": 3, "prompt_lookup_max": 4},
+     "prompt_lookup_max is for .* --speculative-method ngram"),
 ])
 def test_speculative_options_are_checked(options, match):
     from atom.config import EngineConfig
