@@ -1,5 +1,5 @@
 """``atom serve`` lifecycle: /health follows the engine core; SIGTERM drains and exits 0; the
-server under ``atom launch``."""
+server under ``atom launch``, drained through its front end."""
 
 from __future__ import annotations
 
@@ -73,16 +73,29 @@ def test_sigterm_to_the_whole_process_group_drains_in_flight_requests_and_exits_
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cores)
 
 
-def test_serve_under_atom_launch_uses_every_rank():
-    server = RemoteServer(launcher=("launch", "--nproc-per-node", "2"))
+def test_serve_under_atom_launch_uses_every_rank_and_drains_on_its_front_ends_sigterm():
+    """The launcher's own SIGTERM stops the ranks at once (torchrun's way); a SIGTERM to the
+    front end (``front_end_pid`` in /health) drains, stops the ranks, and the launcher exits 0."""
+    server = RemoteServer("--drain-timeout", "600", launcher=("launch", "--nproc-per-node", "2"))
     processes = psutil.Process(server.proc.pid).children(recursive=True)
     try:
-        out = server.client().completions.create(model=MODEL, prompt="The capital of France is",
-                                                 max_tokens=4, temperature=0)
+        client = server.client()
+        out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                        max_tokens=4, temperature=0)
         assert out.usage.completion_tokens == 4
         assert server.metric("atom:num_kv_blocks_total") == 2 * 128  # both ranks report
         assert server.metric("atom:prefill_delayer_decisions_total") > 0
+        front_end = httpx.get(server.url + "/health", timeout=30).json()["front_end_pid"]
+        assert front_end in [p.pid for p in processes]
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time",
+                                           max_tokens=24, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        os.kill(front_end, signal.SIGTERM)
+        chunks += list(stream)  # the in-flight request runs to its end
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert server.proc.wait(600) == 0  # the launcher: every rank exited 0
     finally:
-        server.stop()  # the launcher's exit code on SIGTERM is its own (128 + 15)
+        server.stop()
     assert len(processes) >= 3  # two ranks and the front end
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)

@@ -32,6 +32,7 @@ import asyncio
 import errno
 import importlib.metadata
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -97,10 +98,12 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
     @app.get("/health")
     async def health() -> Response:
         """200 while serving: every core answered a stats call; the body is the group's
-        membership. 503 otherwise: recovering from a rank failure, dead, or unresponsive;
+        membership and this process's pid (``front_end_pid``: the process to SIGTERM for a
+        drain, also under ``atom launch``). 503 otherwise: recovering from a rank failure, dead, or unresponsive;
         ``message`` says which rank and why."""
         status = engine.status
-        body = {"status": status.state, "message": status.message, **status.membership}
+        body = {"status": status.state, "message": status.message,
+                "front_end_pid": os.getpid(), **status.membership}
         if status.state == SERVING:
             try:
                 alive, membership = await engine.call(_probe, timeout_s=_HEALTH_TIMEOUT_S)
