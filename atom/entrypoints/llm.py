@@ -190,7 +190,11 @@ class LLM:
         """Yield the output text of one prompt piece by piece, as the engine generates it.
 
         The pieces concatenate to the final text (stop strings cut, as in ``generate``). Closing
-        the iterator early (``break``, Ctrl-C) aborts the request and frees its KV blocks.
+        the iterator early aborts the request and frees its KV blocks: ``break`` (or Ctrl-C) in
+        a ``for`` loop over ``llm.stream(...)`` itself does, since nothing else holds the
+        iterator; one kept in a variable must be closed (``it.close()``, or ``with
+        contextlib.closing(llm.stream(...)) as it:``), and until then its request stays in the
+        engine and another ``stream()`` is refused.
 
         Raises:
             ValueError: ``n > 1``, a prompt that cannot run (its error message), or no tokenizer.
