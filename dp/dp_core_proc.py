@@ -74,8 +74,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
-from atom.engine.core_proc import (EngineCoreProc, ShutdownRequested, dump_stacks_if_still_running,
-                                   run_process)
+from atom.engine.core_proc import (EngineCoreProc, ShutdownRequested, build_engine_core,
+                                   dump_stacks_if_still_running, run_process)
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -244,7 +244,7 @@ class DPEngineCoreProc(EngineCoreProc):
             self._check_front_end()
             if self.idle:
                 self.process_inputs(block=True)  # wakes on StartWave, a request or Shutdown
-                if self.idle and self.core.kv_connector is not None:
+                if self.idle:
                     self.core.apply_kv_connector_output()  # P/D: a consumer released kept blocks
                 continue
             self.process_inputs(block=False)
@@ -413,7 +413,6 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
     """
     from atom.dp.groups import RankInfo, init_process_groups
     from atom.dp.prefill_policy import make_prefill_decider
-    from atom.engine.core import EngineCore
 
     info = RankInfo.from_env()
     if config.data_parallel_size != info.dp_size:
@@ -425,12 +424,13 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
     groups = init_process_groups(info, timeout_s=config.dp_group_timeout_s)
     core = proc = None
     try:
-        core = EngineCore(config, extra_eos_token_ids=extra_eos_token_ids, dp_rank=info.dp_rank)
+        core = build_engine_core(config, extra_eos_token_ids=extra_eos_token_ids,
+                                 dp_rank=info.dp_rank)
         expert_parallel = None
         if config.enable_expert_parallel:
             from atom.dp.expert_parallel import apply_expert_parallel
 
-            expert_parallel = apply_expert_parallel(core.runner.model, groups.device,
+            expert_parallel = apply_expert_parallel(core.worker.model, groups.device,
                                                     rank=info.dp_rank, world_size=info.dp_size)
         input_addr, output_addr = endpoints(groups)
         prefill = make_prefill_decider(config, dp_rank=info.dp_rank)
@@ -444,7 +444,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
         if config.enable_eplb:
             from atom.dp.eplb.manager import EplbManager
 
-            eplb = EplbManager(config, core.runner.model, expert_parallel, rank=info.dp_rank,
+            eplb = EplbManager(config, core.worker.model, expert_parallel, rank=info.dp_rank,
                                world_size=info.dp_size, trace=trace,
                                num_nodes=max(1, info.dp_size // info.local_world_size),
                                timeout_s=config.dp_group_timeout_s)

@@ -3,7 +3,7 @@
 The variables themselves are documented in :mod:`atom.launch.launcher` (the env contract). This
 module is what an ``atom`` command calls at start-up to find out whether it is one rank of a
 multi-rank run (started by ``atom launch`` or by ``torchrun``); which store a rank rendezvous
-through is decided in one place, :func:`atom.dp.groups.hosts_store`. It imports no torch.
+through is decided in one place, :func:`atom.dp.rank_contract.hosts_store`. It imports no torch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
-"""Scheduler + postprocess overhead per running sequence per step (issue 7).
+"""Scheduler + update_from_output overhead per running sequence per step (issue 7).
 
 Drives the real :class:`~atom.core.scheduler.Scheduler` and :class:`~atom.core.block_manager.BlockManager`
 with a fake model step (the "sampled" token is a constant, nothing is computed) at
 ``--num-seqs`` running sequences (default 256, all decoding, W1-like prompts of 112-144 tokens),
 with ``--num-waiting`` more requests queued behind them that cannot be admitted (the running
-batch is full), as under overload. Timed per step: ``schedule()``, ``postprocess()``, and the
+batch is full), as under overload. Timed per step: ``schedule()``, ``update_from_output()``, and the
 model runner's host-side batch preparation (``ModelRunner._prepare``: token ids, positions,
 slots, block tables as tensors) — the per-step Python work outside the forward pass.
 
 Then, in the same run, it times one real batch-``--num-seqs`` decode step of the embedded model
 (``ModelRunner.execute_model`` + sampler, contexts of about 200 tokens), split into attention,
-the rest of the model and sampling, and reports the overhead as a percentage of it. The issue's bar: scheduler + postprocess <= 5 % of that step.
+the rest of the model and sampling, and reports the overhead as a percentage of it. The issue's bar: scheduler + update_from_output <= 5 % of that step.
 
     .venv/bin/python scripts/bench_scheduler.py [--num-seqs 256] [--steps 200] [--dtype auto]
 
@@ -28,6 +28,13 @@ import time
 from bench_common import write_json_report
 
 _FAKE_TOKEN = 1000
+
+
+def _tokens(token_ids: dict):
+    """A worker's output emitting ``token_ids`` (seq_id -> token)."""
+    from atom.core.model_runner_output import ModelRunnerOutput
+
+    return _tokens(token_ids)
 
 
 def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_model_len: int,
@@ -49,24 +56,24 @@ def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_mode
     # Prefill until every admitted sequence decodes (fake tokens, no model).
     while any(seq.is_prefill for seq in scheduler.running) or not scheduler.running:
         out = scheduler.schedule()
-        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq in out.sampled_seqs()})
+        scheduler.update_from_output(out, _tokens({s.seq_id: _FAKE_TOKEN for s in out.sampled_seqs()}))
     return scheduler
 
 
 def time_overhead(scheduler, runner, num_steps: int) -> dict[str, list[float]]:
-    """Per-step seconds of schedule / postprocess / host batch prep over ``num_steps`` decode steps."""
-    times: dict[str, list[float]] = {"schedule": [], "postprocess": [], "prepare": []}
+    """Per-step seconds of schedule / update_from_output / host batch prep over ``num_steps`` decode steps."""
+    times: dict[str, list[float]] = {"schedule": [], "update": [], "prepare": []}
     for _ in range(num_steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
         runner._prepare([(seq, 0, n) for seq, n in out.scheduled], 0)
         t2 = time.perf_counter()
-        scheduler.postprocess(out, {seq.seq_id: _FAKE_TOKEN for seq, _ in out.scheduled})
+        scheduler.update_from_output(out, _tokens({s.seq_id: _FAKE_TOKEN for s, _ in out.scheduled}))
         t3 = time.perf_counter()
         times["schedule"].append(t1 - t0)
         times["prepare"].append(t2 - t1)
-        times["postprocess"].append(t3 - t2)
+        times["update"].append(t3 - t2)
     return times
 
 
@@ -100,7 +107,8 @@ def time_real_step(runner, sampler, scheduler, num_steps: int) -> dict[str, list
             for name, value in (("step", t2 - t0), ("forward", t1 - t0),
                                 ("attention", attention_s[0]), ("sampling", t2 - t1)):
                 times[name].append(value)
-            scheduler.postprocess(out, dict(zip(model_out.sampled_seq_ids, sampled.token_ids)))
+            scheduler.update_from_output(out, _tokens(dict(zip(model_out.sampled_seq_ids,
+                                                               sampled.token_ids))))
     finally:
         attention.paged_attention = paged_attention
     return {name: values[1:] for name, values in times.items()}  # the first step warms up
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(values) / args.num_seqs * 1e6
 
     step_ms = statistics.median(real["step"]) * 1e3
-    sched_post_us = us_per_seq(overhead["schedule"]) + us_per_seq(overhead["postprocess"])
+    sched_post_us = us_per_seq(overhead["schedule"]) + us_per_seq(overhead["update"])
     report = {
         "num_seqs": args.num_seqs, "num_waiting": args.num_waiting, "dtype": str(dtype),
         "num_threads": torch.get_num_threads(),
@@ -164,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'part':<34}{'us/seq/step':>12}{'ms/step':>10}")
     for name, values in overhead.items():
         print(f"{name:<34}{us_per_seq(values):>12.2f}{statistics.median(values) * 1e3:>10.2f}")
-    print(f"{'schedule + postprocess':<34}{sched_post_us:>12.2f}"
+    print(f"{'schedule + update':<34}{sched_post_us:>12.2f}"
           f"{sched_post_us * args.num_seqs / 1e3:>10.2f}")
     print(f"{'real decode step (forward+sample)':<34}{report['real_decode_step_us_per_seq']:>12.2f}"
           f"{step_ms:>10.2f}")
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"real step: attention {parts['attention']:.1f} ms, rest of the model (linears, norms, "
           f"rotary, logits) {parts['forward'] - parts['attention']:.1f} ms, sampling "
           f"{parts['sampling']:.1f} ms")
-    print(f"schedule + postprocess = {report['scheduler_plus_postprocess_pct_of_step']:.2f} % of "
+    print(f"schedule + update_from_output = {report['scheduler_plus_postprocess_pct_of_step']:.2f} % of "
           f"a real batch-{args.num_seqs} decode step (host batch prep: "
           f"{report['host_prepare_pct_of_step']:.2f} %)")
     write_json_report(args.output_json, report)

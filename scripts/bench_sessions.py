@@ -219,7 +219,7 @@ def report(args, *, table: str, load: dict, results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from atom.worker.model_loader import load_tokenizer
+    from atom.worker.model_files import load_tokenizer
 
     args = parse_args(argv)
     system, users = make_sessions(args, load_tokenizer(None))

@@ -170,7 +170,7 @@ def load_hf_model(model: str | None, dtype_name: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from atom.worker.model_loader import resolve_model_path
+    from atom.worker.model_files import resolve_model_path
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     path = resolve_model_path(model)

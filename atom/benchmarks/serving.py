@@ -334,7 +334,7 @@ def format_table(summary: dict, percentiles: list[float]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``: prints the table, writes the JSON; exit
     code 1 if any measured request failed."""
-    from atom.worker.model_loader import load_tokenizer
+    from atom.worker.model_files import load_tokenizer
 
     percentiles = [float(q) for q in args.percentiles.split(",") if q]
     slos_ms = parse_goodput(args.goodput)

@@ -35,7 +35,8 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from atom.kv_events import AllBlocksCleared, KVCacheEvent, removed_event, stored_event
+from atom.kv_events import (AllBlocksCleared, KVCacheEvent, removed_event, stored_event,
+                             to_wire_hash)
 from atom.core.sequence import Sequence
 
 
@@ -338,6 +339,10 @@ class BlockManager:
         self.hash_to_block.clear()
         self.events.append(AllBlocksCleared())
         return True
+
+    def wire_block_hashes(self) -> list[int]:
+        """The prefix cache's block hashes in KV events' wire form, sorted."""
+        return sorted(to_wire_hash(h) for h in self.hash_to_block)
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []

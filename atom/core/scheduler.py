@@ -8,8 +8,9 @@ reserves blocks for the sequence's current tokens (its prompt), not for ``max_to
 decode that finds no free block preempts the newest running sequence (recompute: its blocks are
 freed and it returns to the front of the waiting queue keeping its output tokens).
 
-The scheduler alone mutates sequence state (through :meth:`Scheduler.postprocess` the tokens a
-step sampled and their logprobs, through :meth:`Scheduler.resume` and
+The scheduler alone mutates sequence state (through :meth:`Scheduler.update_from_output` what
+the worker computed for a step: tokens, their logprobs, prompt logprobs, the KV connector's
+results; through :meth:`Scheduler.resume` and
 :meth:`Scheduler.attach_kv_transfer_params` a new request's first tokens); the block manager owns
 block tables and block hashes. It imports no torch. ``schedule(allow_prefill=False)``
 holds all prefill work (admissions and partial-prefill chunks) for one step: the cross-rank
@@ -24,10 +25,10 @@ Speculative decoding (``num_speculative_tokens = k > 0``): a decode also reserve
 free blocks or the token budget run short: speculation never preempts anyone), so the verify
 forward scores them all at once. An in-scheduler proposer (n-gram) fills ``seq.spec_token_ids``
 right here and the reservation is its proposal's length; a model-based one fills them after
-scheduling (:meth:`Scheduler.set_spec_tokens`). ``postprocess`` appends the emitted tokens one by
+scheduling (:meth:`Scheduler.set_spec_tokens`). ``update_from_output`` appends the emitted tokens one by
 one with the stop checks (EOS, stop ids, ``min_tokens``, ``max_tokens``, ``max_model_len`` cut
 exactly, mid-run), counts as computed only the last token and the accepted drafts, and gives
-back the blocks that only rejected drafts used. Draft tokens are never in ``token_ids`` before
+back the blocks that only rejected drafts used; ``spec_stats`` counts the verifies. Draft tokens are never in ``token_ids`` before
 they are accepted, so they never reach the prefix cache or the KV events.
 
 P/D disaggregation (:mod:`atom.core.kv_connector`): a consumer sequence is admitted with its blocks
@@ -45,13 +46,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from atom.core.block_manager import BlockManager, DryRunClaims
-from atom.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
+from atom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.ngram_proposer import Proposer
+from atom.core.seq_outputs import finish_output, seq_output
 from atom.core.sequence import FinishReason, Sequence, SequenceStatus
+from atom.core.spec_stats import SpecStats
+from atom.messages import SeqOutput, check_token_ids
 
 if TYPE_CHECKING:
     from atom.config import EngineConfig
-    from atom.messages import KVTransferParams
+    from atom.messages import KVTransferParams, ResumedChoice
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0  # most draft tokens a decode verifies per step (0 = off)
+    spec_log_every_steps: int = 0  # a SpecStats log line every N verify steps (0 = never)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -74,7 +80,8 @@ class SchedulerConfig:
                    max_model_len=max_model_len,
                    enable_chunked_prefill=config.enable_chunked_prefill,
                    num_speculative_tokens=(config.num_speculative_tokens
-                                           if config.speculative_method else 0))
+                                           if config.speculative_method else 0),
+                   spec_log_every_steps=config.spec_log_every_steps)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,11 @@ class SchedulerOutput:
     # speculative decoding: seq_id -> draft slots reserved after its last token this step (the
     # drafts themselves are seq.spec_token_ids); empty without speculation
     spec_budget: dict[int, int] = field(default_factory=dict)
+    # sequences finished since the previous schedule(): the worker drops their state (a seeded
+    # request's generator), as vLLM's finished_req_ids
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # P/D: what the connector's worker side must start or register before this step's forward
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_spec_tokens(self) -> int:
@@ -112,7 +124,7 @@ class SchedulerOutput:
 
     @property
     def num_prefill_seqs(self) -> int:
-        """Scheduled sequences in prefill (read before postprocess; in a dry run's output,
+        """Scheduled sequences in prefill (read before update_from_output; in a dry run's output,
         :meth:`Scheduler.preview_admission`'s count)."""
         return sum(1 for seq, _ in self.scheduled if seq.is_prefill)
 
@@ -128,9 +140,9 @@ class SchedulerOutput:
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences whose next token this step samples
         (:meth:`~atom.core.sequence.Sequence.samples_next_token`), in batch order. Call before
-        :meth:`Scheduler.postprocess` (it reads ``num_computed_tokens`` before the step). The
-        model runner returns logits for the same sequences (in micro-batch order with TBO);
-        the simulator (``atom.dp.sim``) supplies their tokens instead of a model."""
+        :meth:`Scheduler.update_from_output` (it reads ``num_computed_tokens`` before the
+        step). The model runner returns logits for the same sequences (in micro-batch order
+        with TBO); the simulator's worker supplies their tokens instead of a model."""
         return [seq for seq, n in self.scheduled if seq.samples_next_token(n)]
 
 
@@ -167,6 +179,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls: the clock of waiting ages (never wall time)
+        k = config.num_speculative_tokens
+        self.spec_stats = SpecStats(k) if k else None  # counted by update_from_output
+        self._finished_seq_ids: list[int] = []  # since the last schedule() (SchedulerOutput)
 
     # ----- queue entry and exit -----
 
@@ -185,21 +200,41 @@ class Scheduler:
         self.waiting.append(seq)
         return True
 
-    def resume(self, seq: Sequence, output_token_ids: list[int], *, cumulative_logprob: float,
-               finished: bool) -> None:
-        """Before :meth:`add`: a resumed choice's outputs and summed logprob so far (queued, it
-        runs as if preempted by recompute); one that had ``finished`` is never queued."""
-        seq.token_ids += output_token_ids  # num_prompt_tokens stays the prompt's
-        seq.cumulative_logprob = cumulative_logprob
-        if finished:
-            seq.status = SequenceStatus.FINISHED
+    def resume(self, seqs: list[Sequence], resumed: list[ResumedChoice]) -> str | None:
+        """Before :meth:`add`: a resumed request's choices (:class:`~atom.messages.ResumedChoice`,
+        after a rank failure) get their outputs and summed logprob so far (queued, each runs as
+        if preempted by recompute; a seeded one's generator is advanced past the tokens already
+        drawn, :meth:`atom.worker.sampler.Sampler.generator_for`); one that had finished is
+        never queued. Returns an error when ``resumed`` does not match the request's choices."""
+        if len(resumed) != len(seqs):
+            return (f"the resumed request has {len(resumed)} choices' progress for "
+                    f"n={len(seqs)}: a front-end bug")
+        for seq, choice in zip(seqs, resumed):
+            seq.token_ids += choice.output_token_ids  # num_prompt_tokens stays the prompt's
+            seq.cumulative_logprob = choice.cumulative_logprob
+            if choice.finished:
+                seq.status = SequenceStatus.FINISHED
+        return None
 
-    def attach_kv_transfer_params(self, seq: Sequence, params: KVTransferParams) -> None:
-        """Before :meth:`add`: a P/D request's params (checked by the caller); a consumer's
-        output token 0 is the producer's first token."""
-        seq.kv_transfer_params = params
-        if params.do_remote_prefill:
-            seq.token_ids.append(params.first_token_id)
+    def attach_kv_transfer_params(self, seqs: list[Sequence], params: KVTransferParams, *,
+                                  vocab_size: int) -> str | None:
+        """Before :meth:`add`: give a P/D request's sequences their params (a consumer's output
+        token 0 is the producer's first token). Returns why the request cannot run here (no
+        connector, params this engine's role cannot serve, a first token outside the
+        vocabulary), or None."""
+        if self.connector is None:
+            return "kv_transfer_params needs an engine started with --kv-role producer|consumer"
+        error = self.connector.check_request(params, num_prompt_tokens=seqs[0].num_prompt_tokens,
+                                             n=len(seqs))
+        if error is None and params.do_remote_prefill:
+            error = check_token_ids([params.first_token_id], [], [], vocab_size=vocab_size)
+        if error is not None:
+            return error
+        for seq in seqs:
+            seq.kv_transfer_params = params
+            if params.do_remote_prefill:
+                seq.token_ids.append(params.first_token_id)
+        return None
 
     def _never_fits(self, num_tokens: int) -> str | None:
         cfg, bm = self.config, self.block_manager
@@ -238,6 +273,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         seq.error_message = error_message
         seq.spec_token_ids = []
+        self._finished_seq_ids.append(seq.seq_id)
         if seq.block_table:
             if seq.kv_transfer_params is not None and self.connector is not None:
                 keep, seq.kv_transfer_params = self.connector.request_finished(seq, reason)
@@ -255,6 +291,26 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def get_stats(self) -> dict[str, int | float]:
+        """The KV pool's blocks, the queues, preemptions, the prefix cache (in tokens;
+        ``prefix_cache_hit_rate`` = hits / queries, 0 before any query), with speculative
+        decoding the ``spec_*`` entries of :meth:`atom.core.spec_stats.SpecStats.as_stats`, and
+        with a KV connector ``num_waiting_for_remote_kvs``."""
+        bm = self.block_manager
+        stats: dict[str, int | float] = {
+            "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+            "num_running": self.num_running, "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": (bm.prefix_cache_hits / bm.prefix_cache_queries
+                                      if bm.prefix_cache_queries else 0.0)}
+        if self.spec_stats is not None:
+            stats.update(self.spec_stats.as_stats())
+        if self.connector is not None:
+            stats["num_waiting_for_remote_kvs"] = len(self.waiting_for_remote_kvs)
+        return stats
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
@@ -342,7 +398,11 @@ class Scheduler:
                 for this step; decodes still run. The DP loop passes the cross-rank decision.
         """
         self.num_steps += 1
-        return self._walk(allow_prefill=allow_prefill)
+        out = self._walk(allow_prefill=allow_prefill)
+        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        if self.connector is not None:  # the pulls of the sequences admitted just now
+            out.kv_connector_metadata = self.connector.build_connector_meta()
+        return out
 
     def _walk(self, *, allow_prefill: bool, claims: DryRunClaims | None = None) -> SchedulerOutput:
         """The one admission rule of :meth:`schedule` and :meth:`preview_admission`. With
@@ -518,22 +578,21 @@ class Scheduler:
         self.waiting_for_remote_kvs[seq.request_id] = seq
         return True
 
-    def update_from_kv_connector_output(self, output: KVConnectorOutput
-                                        ) -> tuple[list[Sequence], list[Sequence]]:
+    def update_from_kv_connector_output(self, output: KVConnectorOutput) -> list[SeqOutput]:
         """Apply what the worker side finished: free kept blocks that were sent (producer);
         move loaded sequences to the running batch with their prompt computed and the
         producer's first token as their first output token (consumer); fail the sequences whose
         pull failed.
 
         Returns:
-            (loaded sequences: their first token is new output, some may have finished on it;
-            sequences failed with ``error``).
+            The outputs: each loaded sequence's first token (a finish too, if it ended it), and
+            each failed sequence's finish with ``error``.
         """
         for request_id in output.finished_sending:
             seq = self.kv_kept.pop(request_id, None)
             if seq is not None:
                 self.block_manager.free(seq)
-        loaded, failed = [], []
+        outputs = []
         for request_id in output.finished_recving:
             seq = self.waiting_for_remote_kvs.pop(request_id, None)
             if seq is None:
@@ -543,69 +602,98 @@ class Scheduler:
             self.block_manager.cache_computed_blocks(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            loaded.append(seq)
             reason, stop_reason = self._stop_check(seq, seq.token_ids[-1])
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason, stop_reason=stop_reason)
+            outputs.append(seq_output(seq, [seq.token_ids[-1]], None))
         for request_id, error in output.failed_recving.items():
             seq = self.waiting_for_remote_kvs.pop(request_id, None)
             if seq is not None:
                 self._finish(seq, FinishReason.ERROR, error_message=error)
-                failed.append(seq)
-        return loaded, failed
+                outputs.append(finish_output(seq))
+        return outputs
 
-    def postprocess(self, out: SchedulerOutput, sampled_token_ids: dict[int, int | list[int]],
-                    sampled_logprobs: dict[int, float | list[float]] | None = None
-                    ) -> list[Sequence]:
-        """Apply one step's results: advance counters, publish computed blocks, append tokens.
+    def update_from_output(self, out: SchedulerOutput, output: ModelRunnerOutput
+                           ) -> list[SeqOutput]:
+        """Apply one step's results (vLLM v1's ``update_from_output``): advance counters,
+        publish computed blocks, append the emitted tokens with their stop checks, count the
+        verifies (``spec_stats``), record prompt logprobs, apply the KV connector's results.
 
         Args:
-            out: the batch returned by ``schedule()`` for this step.
-            sampled_token_ids: seq_id → sampled token for each sequence that reached its end;
-                for a sequence that verified drafts (``out.spec_budget``), the list of tokens
-                the verifier emitted (its accepted drafts, then one more).
-            sampled_logprobs: the same keys, the sampled tokens' raw logprobs (one float, or
-                one per emitted token for a verify); the kept tokens' add to the sequence's
-                ``cumulative_logprob``. None (the simulator, tests) leaves it unchanged.
+            out: the batch ``schedule()`` returned for this step.
+            output: what the worker computed for it (a sequence that verified drafts emits its
+                accepted drafts then one more, appended up to its first stop).
         Returns:
-            The sequences that got new tokens (finished ones included), in batch order.
+            The step's outputs: sequences the pool cut (finished without a token), the KV
+            connector's loads and failures, then every sequence that got tokens (finished
+            ones included), in batch order. Sequences finished from outside during the step
+            report nothing.
         """
-        updated: list[Sequence] = []
-        spec = out.spec_budget
+        outputs = [finish_output(seq) for seq in out.preempted if seq.is_finished]  # cut
+        if output.kv_connector_output is not None:
+            outputs += self.update_from_kv_connector_output(output.kv_connector_output)
+        by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
+        for seq_id, entries in output.prompt_logprobs.items():
+            recorded = by_id[seq_id].prompt_logprobs
+            for position, entry in entries.items():
+                if recorded[position] is None:  # a recomputed position keeps its first entry
+                    recorded[position] = entry
+        rows = {seq_id: row for row, seq_id in enumerate(output.seq_ids)}
+        verified = False
         for seq, num_new in out.scheduled:
             if seq.is_finished:  # finished from outside during the step
                 continue
-            logprob = None if sampled_logprobs is None else sampled_logprobs.get(seq.seq_id)
-            if spec and seq.seq_id in spec:
-                self._postprocess_spec(seq, sampled_token_ids[seq.seq_id], logprob)
-                updated.append(seq)
-                continue
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_computed_blocks(seq)
-            token_id = sampled_token_ids.get(seq.seq_id)
-            if token_id is None:
-                continue  # mid-prompt chunk: nothing sampled
-            seq.token_ids.append(token_id)
-            if logprob is not None:
-                seq.cumulative_logprob += logprob
-            updated.append(seq)
-            reason, stop_reason = self._stop_check(seq, token_id)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason, stop_reason=stop_reason)
-        return updated
+            row = rows.get(seq.seq_id)
+            if seq.seq_id in out.spec_budget:
+                verified = True
+                num_drafts, num_before = len(seq.spec_token_ids), len(seq.token_ids)
+                self._append_verified(seq, output, row)
+                num_kept = len(seq.token_ids) - num_before
+                self.spec_stats.record(num_drafts=num_drafts, num_emitted=num_kept,
+                                       num_accepted=len(output.sampled_token_ids[row]) - 1)
+            else:
+                seq.num_computed_tokens += num_new
+                self.block_manager.cache_computed_blocks(seq)
+                if row is None:
+                    continue  # mid-prompt chunk: nothing sampled
+                num_kept = 1
+                self._append_sampled(seq, output, row)
+            logprobs = None if output.logprobs is None else output.logprobs[row]
+            outputs.append(seq_output(seq, seq.token_ids[len(seq.token_ids) - num_kept:],
+                                      None if logprobs is None else logprobs[:num_kept]))
+        if verified:
+            self._count_verify_step()
+        return outputs
 
-    def _postprocess_spec(self, seq: Sequence, token_ids: list[int],
-                          logprobs: list[float] | None) -> None:
-        """Append a verify step's emitted tokens up to the first that stops the sequence
-        (``logprobs``: theirs, or None).
+    def _append_sampled(self, seq: Sequence, output: ModelRunnerOutput, row: int) -> None:
+        """Append ``seq``'s one sampled token (row ``row`` of ``output``), then stop-check."""
+        token_id = output.sampled_token_ids[row][0]
+        seq.token_ids.append(token_id)
+        if output.sampled_logprobs is not None:
+            seq.cumulative_logprob += output.sampled_logprobs[row][0]
+        reason, stop_reason = self._stop_check(seq, token_id)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason, stop_reason=stop_reason)
+
+    def _count_verify_step(self) -> None:
+        stats = self.spec_stats
+        stats.num_verify_steps += 1
+        every = self.config.spec_log_every_steps
+        if every and stats.num_verify_steps % every == 0:
+            logger.info(stats.summary())
+
+    def _append_verified(self, seq: Sequence, output: ModelRunnerOutput, row: int) -> None:
+        """Append a verify step's emitted tokens (row ``row`` of ``output``) up to the first
+        that stops the sequence.
 
         KV was written for the last token and every draft; only the last token and the
         accepted drafts (``len(token_ids) - 1``) count as computed, and never past the
         appended tokens (a stop cuts the run). Blocks past the kept tokens held only rejected
         drafts and are freed.
         """
+        token_ids = output.sampled_token_ids[row]
         num_before = len(seq.token_ids)
         seq.spec_token_ids = []
         reason = stop_reason = None
@@ -614,8 +702,8 @@ class Scheduler:
             reason, stop_reason = self._stop_check(seq, token_id)
             if reason is not None:
                 break
-        if logprobs is not None:
-            seq.cumulative_logprob += sum(logprobs[:len(seq.token_ids) - num_before])
+        if output.sampled_logprobs is not None:
+            seq.cumulative_logprob += sum(output.sampled_logprobs[row][:len(seq.token_ids) - num_before])
         seq.num_computed_tokens = min(num_before + len(token_ids) - 1, len(seq.token_ids) - 1)
         self.block_manager.trim(seq, len(seq.token_ids))
         self.block_manager.cache_computed_blocks(seq)

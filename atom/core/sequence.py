@@ -85,6 +85,10 @@ class Sequence:
     # P/D only (atom.core.kv_connector): the request's params; on a producer, replaced at the finish
     # by the params a consumer needs
     kv_transfer_params: KVTransferParams | None = None
+    # choice 0 of a request that asked for prompt logprobs: one entry per prompt token
+    # ({token_id: logprob}; None for token 0 and until computed), sent once with the first
+    # sampled token; None otherwise
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens is None:
@@ -92,6 +96,8 @@ class Sequence:
         elif not 0 <= self.num_prompt_tokens <= len(self.token_ids):
             raise ValueError(f"num_prompt_tokens={self.num_prompt_tokens} must be in "
                              f"[0, {len(self.token_ids)}] (the length of token_ids)")
+        if self.index == 0 and self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -135,5 +141,5 @@ class Sequence:
         ``num_computed_tokens``; a verify's drafts included) reaches the last token, so that it
         samples the next one: every decode, a prefill's last chunk, never a chunk mid-prompt.
         The one rule of ``SchedulerOutput.sampled_seqs``, the model runner's sampled rows and
-        the simulator's cost model; read before the step's postprocess."""
+        the simulator's cost model; read before the scheduler's ``update_from_output``."""
         return self.num_computed_tokens + num_new_tokens >= len(self.token_ids)

@@ -312,10 +312,7 @@ def _report_startup_failure(output_addr: str, dp_rank: int, exc: BaseException) 
 
 
 def _run_one_rank(args: argparse.Namespace) -> None:
-    # imported here, after the signal handlers: torch takes seconds to import
-    from atom.engine.core import EngineCore
-
-    core = EngineCore(args.config, extra_eos_token_ids=tuple(args.extra_eos_token_ids))
+    core = build_engine_core(args.config, extra_eos_token_ids=tuple(args.extra_eos_token_ids))
     proc = EngineCoreProc(core, input_addr=args.input_addr, output_addr=args.output_addr)
     try:
         proc.send_ready()
@@ -324,6 +321,29 @@ def _run_one_rank(args: argparse.Namespace) -> None:
         dump_stacks_if_still_running()
         core.close()
         proc.close()
+
+
+def build_engine_core(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...] = (),
+                      dp_rank: int = 0) -> EngineCore:
+    """An :class:`~atom.engine.core.EngineCore` over a freshly loaded torch
+    :class:`~atom.worker.worker.Worker`: what a process that runs the forward (an engine-core
+    process, a DP rank, an in-process engine) starts with.
+
+    Raises:
+        ValueError: invalid options or a model that cannot be loaded.
+        RuntimeError: an endpoint (KV events, KV transfer) cannot be bound.
+    """
+    # the one place the engine reaches for the torch worker (docs/ARCHITECTURE.md, "The map");
+    # imported here, after the signal handlers: torch takes seconds to import
+    from atom.engine.core import EngineCore
+    from atom.worker.worker import Worker
+
+    worker = Worker(config, extra_eos_token_ids=extra_eos_token_ids, dp_rank=dp_rank)
+    try:
+        return EngineCore(config, worker, dp_rank=dp_rank)
+    except BaseException:
+        worker.close()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

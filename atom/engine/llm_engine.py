@@ -104,7 +104,7 @@ class LLMEngine:
                  client_factory: Callable[[EngineConfig, tuple[int, ...]], EngineCoreClient]
                  | None = None):
         from atom.engine.preflight import check_model_files
-        from atom.worker.model_loader import load_tokenizer
+        from atom.worker.model_files import load_tokenizer
 
         check_model_files(config)  # before the tokenizer and any process
         self.config = config
@@ -118,9 +118,9 @@ class LLMEngine:
             raise ValueError(f"data_parallel_size={config.data_parallel_size} needs the DP client: "
                              f"use atom.LLM (or pass client_factory)")
         else:
-            from atom.engine.core import EngineCore
+            from atom.engine.core_proc import build_engine_core
 
-            self.core = EngineCore(config, extra_eos_token_ids=extra_eos)
+            self.core = build_engine_core(config, extra_eos_token_ids=extra_eos)
             self.client = InprocClient(self.core)
         self.runtime: EngineRuntime = self.client.runtime
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -145,12 +145,8 @@ class LLMEngine:
         return self._local_core().block_manager
 
     @property
-    def runner(self):
-        return self._local_core().runner
-
-    @property
-    def sampler(self):
-        return self._local_core().sampler
+    def worker(self):
+        return self._local_core().worker
 
     # ----- requests -----
 

@@ -61,7 +61,7 @@ def check_model_files(config: EngineConfig) -> None:
 
 
 def _check_weights(model: str) -> pathlib.Path:
-    from atom.worker.model_loader import resolve_model_path
+    from atom.worker.model_files import resolve_model_path
 
     path = resolve_model_path(model)
     if path.is_file():
@@ -99,7 +99,7 @@ def _check_architecture(hf_config: dict, file: pathlib.Path) -> str:
     """``config.json``'s architecture; raises with one line naming the supported ones
     (:mod:`atom.models`' registry, torch-free) unless it is one of them."""
     from atom.models import check_architecture
-    from atom.worker.model_loader import hf_architecture
+    from atom.worker.model_files import hf_architecture
 
     architecture = hf_architecture(hf_config) or str(hf_config.get("model_type"))
     check_architecture(architecture, source=str(file))

@@ -78,7 +78,7 @@ def _sampling_params(args: argparse.Namespace, defaults: dict | None = None) -> 
 
 def _chat_sampling_defaults(model: str | None) -> dict:
     """What the model recommends (temperature, top_p, top_k), else CHAT_SAMPLING_DEFAULTS."""
-    from atom.worker.model_loader import recommended_sampling
+    from atom.worker.model_files import recommended_sampling
 
     return recommended_sampling(model) or dict(CHAT_SAMPLING_DEFAULTS)
 

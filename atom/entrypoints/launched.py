@@ -125,7 +125,7 @@ def run_launched_rank(argv: list[str], config: EngineConfig) -> int:
     from atom.engine.preflight import check_model_files
     from atom.engine.core_proc import ShutdownRequested, install_signal_handlers
     from atom.launch.endpoints import lookup_endpoint, publish_endpoint
-    from atom.worker.model_loader import load_tokenizer
+    from atom.worker.model_files import load_tokenizer
 
     install_signal_handlers()  # the launcher decides; SIGTERM stops us
     info = RankInfo.from_env()

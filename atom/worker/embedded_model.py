@@ -118,5 +118,8 @@ def ensure_embedded_gguf() -> pathlib.Path:
     return target
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `make setup`: the file, and its tokenizer converted once
+    from atom.worker.model_files import load_tokenizer
+
     print(ensure_embedded_gguf())
+    load_tokenizer(None)  # cached: front ends then load it without torch (model_files)

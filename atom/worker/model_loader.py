@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,7 +42,8 @@ import torch
 
 from atom.models import check_architecture, get_model_class
 from atom.worker.checkpoint import Checkpoint
-from atom.worker.embedded_model import cache_dir, ensure_embedded_gguf
+from atom.worker.embedded_model import cache_dir
+from atom.worker.model_files import file_cache_key, gguf_field, hf_architecture, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -177,34 +177,6 @@ class HFConfig:
 # source resolution
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> pathlib.Path:
-    """The file or folder ``model`` names (``None`` = the embedded GGUF, fetched if needed).
-
-    Raises:
-        FileNotFoundError: the path does not exist (hub ids are not downloaded).
-        ValueError: a file that is not ``.gguf``, or a folder without ``config.json``.
-    """
-    if model is None:
-        return ensure_embedded_gguf()
-    path = pathlib.Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {str(model)!r} not found: pass a path to a .gguf file or to a Hugging Face "
-            f"folder (config.json + *.safetensors), or omit it for the embedded SmolLM2 model "
-            f"(hub ids are not downloaded)")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a folder")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(
-            f"model folder {path} has no config.json; pass a Hugging Face model folder")
-    return path.resolve()
-
-
-def _file_cache_key(path: pathlib.Path) -> str:
-    st = path.stat()
-    return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -213,42 +185,37 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # GGUF
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def arch_config_from_gguf(reader) -> ModelArchConfig:
     """Read a :class:`ModelArchConfig` from an open ``gguf.GGUFReader``'s metadata.
 
     Raises:
         ValueError: an architecture other than ``llama``, or rope scaling.
     """
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
                          f"{sorted(_GGUF_ARCHITECTURES)}")
-    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) or any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"GGUF rope scaling ({scaling!r} / rope_freqs) is not supported")
-    hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelArchConfig(
         architecture=_GGUF_ARCHITECTURES[arch],
-        vocab_size=int(_gguf_field(reader, f"{arch}.vocab_size", int(embd.shape[-1]))),
+        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", int(embd.shape[-1]))),
         hidden_size=hidden,
-        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(gguf_field(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        num_key_value_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=hidden // num_heads,
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length")),
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length")),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
     )
@@ -298,7 +265,7 @@ def _dequantize_gguf(
 def _load_gguf(path: pathlib.Path, dtype: torch.dtype, *, use_cache: bool):
     from safetensors import safe_open
 
-    name = f"{_file_cache_key(path)}-{_dtype_name(dtype)}.safetensors"
+    name = f"{file_cache_key(path)}-{_dtype_name(dtype)}.safetensors"
     cache_file = cache_dir() / "weights" / name
     if use_cache and cache_file.is_file():
         with safe_open(str(cache_file), framework="pt") as f:
@@ -338,14 +305,6 @@ def _save_atomically(
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face folders
-
-
-def hf_architecture(config: dict) -> str:
-    """``architectures[0]`` of a parsed ``config.json`` (old Llama configs name only their
-    ``model_type``); "" when it names none."""
-    archs = config.get("architectures") or (
-        ["LlamaForCausalLM"] if config.get("model_type") == "llama" else [])
-    return archs[0] if archs else ""
 
 
 def arch_config_from_hf(config: dict, generation_config: dict | None = None, *,
@@ -491,71 +450,3 @@ def release_freed_heap() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
-
-
-#: llama.cpp's GGUF keys for a model's recommended sampling, and generation_config.json's
-_GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-                       "general.sampling.top_k": "top_k"}
-_HF_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-
-
-def recommended_sampling(model: str | os.PathLike | None) -> dict[str, float | int]:
-    """The sampling settings the model's own files recommend (``temperature``, ``top_p``,
-    ``top_k``): a Hugging Face folder's ``generation_config.json``, or a GGUF's
-    ``general.sampling.*`` metadata (llama.cpp's keys); ``{}`` when they carry none (the
-    embedded SmolLM2 GGUF carries none).
-
-    Raises:
-        FileNotFoundError: the model cannot be found (see :func:`resolve_model_path`).
-    """
-    path = resolve_model_path(model)
-    if path.is_dir():
-        gen = path / "generation_config.json"
-        config = json.loads(gen.read_text()) if gen.is_file() else {}
-        return {k: config[k] for k in _HF_SAMPLING_KEYS if isinstance(config.get(k), (int, float))}
-    import gguf  # lazy, as in _load_gguf
-
-    reader = gguf.GGUFReader(str(path))
-    found = {name: _gguf_field(reader, key) for key, name in _GGUF_SAMPLING_KEYS.items()}
-    return {name: value for name, value in found.items() if isinstance(value, (int, float))}
-
-
-def load_tokenizer(model: str | os.PathLike | None, *, use_cache: bool = True):
-    """A transformers fast tokenizer (with the chat template) for ``model`` (same forms as
-    :func:`load_model_weights`).
-
-    For a GGUF file transformers builds the tokenizer from the GGUF metadata (slow, seconds);
-    it is saved once under ``cache_dir()/tokenizer/<key>/`` and loaded from there afterwards.
-
-    Raises:
-        FileNotFoundError / ValueError: as :func:`resolve_model_path`.
-    """
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(model)
-    if path.is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    else:
-        folder = cache_dir() / "tokenizer" / _file_cache_key(path)
-        if use_cache and folder.is_dir():
-            return AutoTokenizer.from_pretrained(str(folder))
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        if use_cache:
-            _save_tokenizer_atomically(tokenizer, folder)
-    if getattr(tokenizer, "chat_template", None) is None:  # said where chat is used, not here
-        logger.info("tokenizer of %s has no chat template: chat requests will fail", path)
-    return tokenizer
-
-
-def _save_tokenizer_atomically(tokenizer, folder: pathlib.Path) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
-    try:
-        tokenizer.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, folder)  # atomic; fails if another process got there first
-        except OSError:
-            if not folder.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

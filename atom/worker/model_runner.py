@@ -225,7 +225,8 @@ class ModelRunner:
         return self._outputs([(batch, hidden)])
 
     def _execute_two_micro_batches(self, scheduled: list[tuple[Sequence, int]]) -> ModelOutput:
-        from atom.worker.tbo import MicroBatch, forward_micro_batches, split_batch
+        from atom.core.tbo_split import split_batch
+        from atom.worker.tbo import MicroBatch, forward_micro_batches
 
         batches = [self._prepare(half, 0) for half in split_batch(scheduled)]
         micro_batches = [MicroBatch(b.input_ids, b.positions, b.attn_metadata) for b in batches]

@@ -85,7 +85,7 @@ def machine_info(num_threads: int) -> dict:
     return {"cpu": cpu, "flags": flags, "num_threads": num_threads, "platform": platform.platform()}
 
 
-def _entries(point: dict, core) -> list:
+def _entries(point: dict, block_manager) -> list:
     """Sequences with blocks for ``point`` (module docstring), as scheduler entries."""
     from atom.sampling_params import SamplingParams
     from atom.core.sequence import Sequence
@@ -94,14 +94,14 @@ def _entries(point: dict, core) -> list:
     for i, (n, ctx) in enumerate(point.get("prefill", [])):
         seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params,
                        num_computed_tokens=ctx)
-        core.block_manager.allocate(seq)
+        block_manager.allocate(seq)
         entries.append((seq, n))
     num_decodes, ctx = point.get("decode", (0, 0))
     for i in range(num_decodes):
         # one output token after the prompt, all but it computed: the next step decodes
         seq = Sequence(f"d{i}", [*synthetic_prompt(f"d{i}", ctx - 1), 100], params,
                        num_prompt_tokens=ctx - 1, num_computed_tokens=ctx - 1)
-        core.block_manager.allocate(seq)
+        block_manager.allocate(seq)
         entries.append((seq, 1))
     return entries
 
@@ -128,29 +128,29 @@ class _MLPTimer:
             h.remove()
 
 
-def _run_point(core, point: dict, timer: _MLPTimer) -> tuple[float, float, list[MicroBatch]]:
-    """One timed forward + sampling of ``point``: seconds, MLP seconds, its micro-batches."""
-    from atom.worker.tbo import split_batch
+def _run_point(worker, block_manager, point: dict, timer: _MLPTimer
+               ) -> tuple[float, float, list[MicroBatch]]:
+    """One timed ``Worker.execute_model`` (forward + sampling) of ``point``: seconds, MLP
+    seconds, its micro-batches."""
+    from atom.core.scheduler import SchedulerOutput
+    from atom.core.tbo_split import split_batch
 
-    entries = _entries(point, core)
+    entries = _entries(point, block_manager)
     tbo = point.get("tbo", False)
     parts = split_batch(entries) if tbo else [[(seq, 0, n) for seq, n in entries]]
     try:
         timer.total_s = 0.0
         start = time.perf_counter()
-        out = core.runner.execute_model(entries, two_batch_overlap=tbo)
-        if out.sampled_seq_ids:
-            by_id = {seq.seq_id: seq for seq, _ in entries}
-            core.sampler(out.logits, [by_id[s] for s in out.sampled_seq_ids])
+        worker.execute_model(SchedulerOutput(scheduled=entries), two_batch_overlap=tbo)
         seconds = time.perf_counter() - start
     finally:
         for seq, _ in entries:
-            core.block_manager.free(seq)
+            block_manager.free(seq)
     return seconds, timer.total_s, [micro_batch(part) for part in parts]
 
 
-def _fill_kv_pool(core) -> None:
-    """Write every block of ``core``'s KV pool once (seeded normal values). The grid's
+def _fill_kv_pool(worker) -> None:
+    """Write every block of ``worker``'s KV pool once (seeded normal values). The grid's
     sequences read context no step wrote, and the pool comes from ``calloc``'s lazy zero pages
     (:func:`atom.worker.model_runner.zeroed_kv_cache`): unfilled, their first reads and writes
     of each page fault, which on a VM doubled a decode point's seconds (16 sequences of 64
@@ -159,46 +159,51 @@ def _fill_kv_pool(core) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    for cache in core.runner.kv_caches:
+    for cache in worker.runner.kv_caches:
         cache.normal_(0.0, 0.5, generator=generator)
 
 
 def measure_grid(config: EngineConfig, *, repeats: int = 3,
                  grid: list[dict] = GRID) -> tuple[list[dict], dict]:
-    """Time every grid point on an in-process engine core built from ``config`` (its
-    ``num_threads`` and model; the KV pool is the grid's): a warm-up round, then ``repeats``
-    rounds over the whole grid (so a burst of load from other processes spreads over the
-    points instead of skewing one), the median per point. Returns one dict per point and the
-    model's facts (KV bytes per token, context length, experts)."""
-    from atom.engine.core import EngineCore
+    """Time every grid point on an in-process worker (:class:`atom.worker.worker.Worker`, the
+    middle part of a real step) built from ``config`` (its ``num_threads`` and model; the KV
+    pool is the grid's): a warm-up round, then ``repeats`` rounds over the whole grid (so a
+    burst of load from other processes spreads over the points instead of skewing one), the
+    median per point. Returns one dict per point and the model's facts (KV bytes per token,
+    context length, experts)."""
+    from atom.core.block_manager import BlockManager
+    from atom.worker.worker import Worker
 
-    core = EngineCore(dataclasses.replace(
+    worker = Worker(dataclasses.replace(
         config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,
         prefill_policy=None, prefill_decode_interval=0, enable_expert_parallel=False,
         dp_trace=None, dp_load_balance="least_requests", max_model_len=2048))
-    if core.runtime.vocab_size < VOCAB_RANGE[1]:
-        core.close()
+    runtime = worker.runtime
+    if runtime.vocab_size < VOCAB_RANGE[1]:
+        worker.close()
         raise ValueError(f"atom sim calibrate draws token ids from {VOCAB_RANGE}: "
-                         f"{config.model}'s vocabulary of {core.runtime.vocab_size} tokens is "
+                         f"{config.model}'s vocabulary of {runtime.vocab_size} tokens is "
                          f"smaller; calibrate on a model with at least {VOCAB_RANGE[1]}")
-    _fill_kv_pool(core)
-    timer = _MLPTimer(core.runner.model)
+    block_manager = BlockManager(runtime.num_kv_blocks, config.block_size,
+                                 enable_prefix_caching=False)
+    _fill_kv_pool(worker)
+    timer = _MLPTimer(worker.model)
     try:
         runs: list[list[tuple]] = [[] for _ in grid]
         for round_ in range(repeats + 1):
             for i, point in enumerate(grid):
-                run = _run_point(core, point, timer)
+                run = _run_point(worker, block_manager, point, timer)
                 if round_:
                     runs[i].append(run)
             logger.info("calibration grid: round %d of %d done", round_, repeats)
-        facts = {"kv_cache_bytes_per_token": core.runtime.kv_cache_bytes
-                 // (core.runtime.num_kv_blocks * config.block_size),
-                 "max_position_embeddings": core.runner.arch_config.max_position_embeddings,
-                 "num_experts": core.num_experts,
-                 "architecture": core.runner.arch_config.architecture}
+        arch = worker.runner.arch_config
+        facts = {"kv_cache_bytes_per_token": runtime.kv_cache_bytes
+                 // (runtime.num_kv_blocks * config.block_size),
+                 "max_position_embeddings": arch.max_position_embeddings,
+                 "num_experts": runtime.num_experts, "architecture": arch.architecture}
     finally:
         timer.remove()
-        core.close()
+        worker.close()
     return [{"point": point, "seconds": statistics.median(r[0] for r in point_runs),
              "mlp_seconds": statistics.median(r[1] for r in point_runs),
              "micro_batches": [dataclasses.asdict(mb) for mb in point_runs[0][2]]}

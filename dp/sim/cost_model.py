@@ -178,13 +178,14 @@ class MicroBatch:
 
 
 def micro_batch(entries: Sequence[tuple[object, int, int]]) -> MicroBatch:
-    """The features of ``(seq, offset, num_new_tokens)`` entries (``atom.worker.tbo.split_batch``'s
-    form; offset > 0: the second half of a split request), read before the step runs."""
+    """The features of ``(seq, offset, num_new_tokens)`` entries
+    (:func:`atom.core.tbo_split.split_batch`'s form; offset > 0: the second half of a split
+    request), read before the step runs. A verify's drafts are tokens of the forward too."""
     num_tokens = num_sampled = decode_context = 0
     prefill_pairs = 0.0
     for seq, offset, n in entries:
         start = seq.num_computed_tokens + offset
-        num_tokens += n
+        num_tokens += n + len(seq.spec_token_ids)
         num_sampled += seq.samples_next_token(offset + n)
         if n == 1 and not seq.is_prefill:
             decode_context += start + 1

@@ -143,6 +143,9 @@ def real_result(name: str, config: EngineConfig, finished: dict, token_times: di
                                if o.metrics.ttft_s is not None},
         "tpot_ms_by_request": {i: o.metrics.tpot_s * 1e3 for i, o in finished.items()
                                if o.metrics.tpot_s is not None},
+        # what each request emitted, for the simulator to emit the same (workload.with_outputs)
+        "output_token_ids_by_request": {i: list(o.outputs[0].token_ids)
+                                        for i, o in finished.items()},
         "per_rank": [{k: r[k] for k in ("dp_rank", "num_real_steps", "num_dummy_steps",
                                         "num_preemptions", "num_late_arrivals") if k in r}
                      for r in ranks],

@@ -3,19 +3,21 @@
 Each tick does what :meth:`atom.dp.dp_core_proc.DPEngineCoreProc._tick` does on every
 rank, with the two all-gathers replaced by gathering the same values in memory:
 
-1. hand each rank's scheduler the requests that arrived (time-clocked: routed now by the
+1. hand each rank's engine core the requests that arrived (time-clocked: routed now by the
    real :class:`~atom.dp.router.DPRouter`; tick-clocked: held since submission and due now,
    :class:`~atom.dp.tick.TickArrivals`);
 2. every rank's :func:`~atom.dp.tick.control_state` → ``GatheredControl.from_states`` →
    :func:`~atom.dp.tick.tick_action` (end the wave when no rank has work);
 3. the deployment's :class:`~atom.dp.prefill_policy.PrefillDecider` decides once (its state
    is identical on every rank, so one object serves the group), then every rank's
-   ``Scheduler.schedule(allow_prefill=...)``;
+   ``EngineCore.schedule(allow_prefill=...)`` (n-gram drafts included);
 4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; every
    rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
 5. the forward is the cost model (:class:`~atom.dp.sim.cost_model.CostModel`): the clock
-   advances by the group's step; every rank postprocesses with the trace's tokens, its
-   outputs timed when its own forward ends (without EP it does not wait for the slowest);
+   advances by the group's step; every rank's real ``EngineCore.execute`` completes its step
+   (its :class:`~atom.dp.sim.rank.SimWorker` emits the workload's tokens, its scheduler's
+   ``update_from_output`` runs), its outputs timed when its own forward ends (without EP it
+   does not wait for the slowest);
 6. KV events go to the router's :class:`~atom.engine.kv_subscriber.KVCacheIndex` (``cache_aware``),
    finished requests release their router load, and with a trace folder every rank's row is
    written in the ``--dp-trace`` format (:mod:`atom.dp.dp_trace`, on the simulated clock).
@@ -117,12 +119,13 @@ class Simulator:
         n = config.data_parallel_size
         self.config = config
         self.cost = cost
-        self.ranks = [SimRank(config, dp_rank=r, num_kv_blocks=num_kv_blocks,
-                              max_model_len=max_model_len) for r in range(n)]
-        self.counters = [StepCounters() for _ in range(n)]
-        self.decider = make_prefill_decider(config, log_every_n_decisions=None)
         cache_aware = config.dp_load_balance == "cache_aware"
         self.index = KVCacheIndex(range(n)) if cache_aware else None
+        self.ranks = [SimRank(config, dp_rank=r, num_kv_blocks=num_kv_blocks,
+                              max_model_len=max_model_len, index=self.index)
+                      for r in range(n)]
+        self.counters = [StepCounters() for _ in range(n)]
+        self.decider = make_prefill_decider(config, log_every_n_decisions=None)
         self.router = DPRouter(config.dp_load_balance, n, index=self.index,
                                cache_aware=CacheAwareSettings.from_config(config)
                                if cache_aware else None)
@@ -153,12 +156,8 @@ class Simulator:
         return self.ranks[rank]
 
     def _add(self, rank: SimRank, request: TraceRequest, arrival_s: float | None = None) -> None:
-        record = rank.add(request, now_s=self.now_s, tick=self.tick, arrival_s=arrival_s)
-        self.records.append(record)
-        if record.finished:  # rejected (can never fit)
-            self.router.release(request.request_id)
-            if self.front_end is not None:
-                self.front_end.finished([request.request_id], at_s=self.now_s)
+        self.records.append(rank.add(request, now_s=self.now_s, tick=self.tick,
+                                     arrival_s=arrival_s))
 
     def _take_sent(self) -> None:
         """Every rank takes the requests that reached its socket before its tick started
@@ -187,6 +186,10 @@ class Simulator:
             ValueError: a mixed-clock workload, or a rank hint outside the deployment.
             RuntimeError: more than ``max_ticks`` ticks.
         """
+        scripts = {r.request_id: r.output_token_ids for r in workload
+                   if r.output_token_ids is not None}
+        for rank in self.ranks:  # what each request emits (TraceRequest.output_token_ids)
+            rank.core.worker.scripts = scripts
         if workload_clock(workload) == "tick":
             for request in sorted(workload, key=lambda r: r.arrival_tick):
                 self._dispatch(request).arrivals.hold(request.arrival_tick, request)
@@ -213,16 +216,18 @@ class Simulator:
         """One tick of every rank (module docstring)."""
         self._release_due()
         gathered = GatheredControl.from_states([
-            control_state(r.scheduler, has_work=r.has_work(), shutdown=False,
+            control_state(r.core.scheduler, has_work=r.has_work(), shutdown=False,
                           wave_id=self.wave_id, tick=self.tick) for r in self.ranks])
         self.tick += 1
         if tick_action(gathered) is TickAction.END_WAVE:
             self._end_wave()
             return
         decision = self.decider.decide(gathered, self.last_shapes)
-        scheds = [r.scheduler.schedule(allow_prefill=decision.allow) for r in self.ranks]
+        scheds = [r.core.schedule(allow_prefill=decision.allow, defer_drafts=True)
+                  for r in self.ranks]
         shapes = GatheredBatchShape.from_shapes([
-            batch_shape(s, tbo_eligible=r.tbo_eligible(s)) for r, s in zip(self.ranks, scheds)])
+            batch_shape(s, tbo_eligible=r.core.tbo_eligible(s))
+            for r, s in zip(self.ranks, scheds)])
         tbo = [c.count_step(shapes, is_dummy=s.is_empty)
                for c, s in zip(self.counters, scheds)][0]
         start_s = self.now_s
@@ -233,7 +238,7 @@ class Simulator:
         self.step_log.append((self.tick - 1, cost))
         self.now_s += cost.total_s
         ends_s = [start_s + done for done in cost.rank_done_s]
-        self._complete(scheds, ends_s)
+        self._complete(scheds, ends_s, tbo=tbo)
         self.last_shapes = shapes
         window = None if self.experts is None else self.experts.end_step(self.tick - 1)
         if self.trace is not None:
@@ -245,19 +250,18 @@ class Simulator:
                              [r.scheduler.num_running + r.scheduler.num_waiting for r in self.ranks],
                              [r.block_manager.kv_usage for r in self.ranks]))
 
-    def _complete(self, scheds: list[SchedulerOutput], ends_s: list[float]) -> None:
-        """Postprocess every rank's step (its outputs at ``ends_s[r]``); release finished
-        requests; feed the KV index; the front end gets every rank's output frame."""
+    def _complete(self, scheds: list[SchedulerOutput], ends_s: list[float], *, tbo: bool
+                  ) -> None:
+        """Complete every rank's step (its outputs at ``ends_s[r]``; its KV events reach the
+        index there); release finished requests; the front end gets every rank's output
+        frame."""
         frames = []
         for rank, sched, end_s in zip(self.ranks, scheds, ends_s):
-            finished = rank.complete(sched, end_s=end_s, tick=self.tick - 1)
+            finished = rank.complete(sched, tbo=tbo, end_s=end_s, tick=self.tick - 1)
             for record in finished:
                 self.router.release(record.request.request_id)
-            if self.front_end is not None and (finished or rank.sampled_last_step):
+            if self.front_end is not None and rank.sent_frame:
                 frames.append((end_s, [r.request.request_id for r in finished]))
-            events = rank.block_manager.take_events()  # taken every step, as the core does
-            if self.index is not None:
-                self.index.apply(rank.dp_rank, events)
         if self.front_end is not None:
             self.front_end.step_ended(ends_s, sorted(frames))
 

@@ -13,7 +13,10 @@ One line per request, a JSON object::
 - exactly one of ``arrival_tick`` (tick-clocked: the tick of the wave at which the request
   becomes visible to its rank's scheduler) or ``arrival_s`` (time-clocked, seconds after the
   start); every request of a workload uses the same clock;
-- optional ``session_id`` (the router's session) and ``dp_rank`` (a rank hint: pins the rank).
+- optional ``session_id`` (the router's session) and ``dp_rank`` (a rank hint: pins the rank);
+- optional ``output_token_ids`` (``output_len`` ids): what the simulator emits for the request
+  (a real run's outputs, :func:`with_outputs`, so speculative drafts are accepted as they were
+  there); without it every output token is :data:`SIM_OUTPUT_TOKEN_ID`.
 
 Generators (seeded, pure): :func:`dp_experiment` (the workload of
 ``scripts/dp_experiment.py``: long prompts pinned to one KV-pressured rank, then bursts),
@@ -47,6 +50,9 @@ class TraceRequest:
     arrival_s: float | None = None
     session_id: str | None = None
     dp_rank: int | None = None
+    # the tokens the simulator emits for this request (a real run's outputs, so that
+    # speculative drafts are accepted as they were there); None: SIM_OUTPUT_TOKEN_ID each
+    output_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -59,6 +65,9 @@ class TraceRequest:
             raise ValueError(f"{self.request_id}: arrivals are >= 0")
         if self.dp_rank is not None and self.dp_rank < 0:
             raise ValueError(f"{self.request_id}: dp_rank={self.dp_rank} must be >= 0")
+        if self.output_token_ids is not None and len(self.output_token_ids) != self.output_len:
+            raise ValueError(f"{self.request_id}: {len(self.output_token_ids)} output_token_ids "
+                             f"for output_len={self.output_len}")
 
     @property
     def prompt_len(self) -> int:
@@ -68,6 +77,21 @@ class TraceRequest:
     def arrival(self) -> float:
         """The arrival on the workload's clock (ticks or seconds)."""
         return self.arrival_tick if self.arrival_tick is not None else self.arrival_s
+
+
+def with_outputs(requests: Sequence[TraceRequest], outputs: dict[str, Sequence[int]]
+                 ) -> list[TraceRequest]:
+    """``requests`` carrying a run's output token ids (request id → ids; a real replay's
+    ``output_token_ids_by_request``) for the simulator to emit.
+
+    Raises:
+        ValueError: a request missing from ``outputs``, or ids of another length.
+    """
+    missing = [r.request_id for r in requests if r.request_id not in outputs]
+    if missing:
+        raise ValueError(f"no outputs for {missing[:5]}")
+    return [dataclasses.replace(r, output_token_ids=tuple(outputs[r.request_id]))
+            for r in requests]
 
 
 def synthetic_prompt(request_id: str, length: int) -> tuple[int, ...]:
@@ -100,6 +124,8 @@ def read_workload(path: str | pathlib.Path) -> list[TraceRequest]:
                 raise ValueError("give exactly one of prompt_token_ids, prompt_len")
             rid = str(fields.pop("request_id"))
             prompt = tuple(ids) if ids is not None else synthetic_prompt(rid, int(length))
+            if fields.get("output_token_ids") is not None:
+                fields["output_token_ids"] = tuple(fields["output_token_ids"])
             request = TraceRequest(rid, prompt, **fields)
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{path}:{number}: {e}") from e
@@ -117,6 +143,8 @@ def write_workload(path: str | pathlib.Path, requests: Iterable[TraceRequest]) -
     for r in requests:
         fields = {k: v for k, v in dataclasses.asdict(r).items() if v is not None}
         fields["prompt_token_ids"] = list(r.prompt_token_ids)
+        if r.output_token_ids is not None:
+            fields["output_token_ids"] = list(r.output_token_ids)
         lines.append(json.dumps(fields, separators=(",", ":")))
     pathlib.Path(path).write_text("\n".join(lines) + "\n")
 

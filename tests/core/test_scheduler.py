@@ -2,7 +2,7 @@
 
 A :class:`Driver` plays the model: each step it calls ``schedule()``, checks the batch against
 the budgets, "samples" scripted tokens for sequences that reach their end, calls
-``postprocess`` and checks the block pool's invariants.
+``update_from_output`` and checks the block pool's invariants.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager
 from atom.sampling_params import SamplingParams
 from atom.core.scheduler import AdmissionPreview, Scheduler, SchedulerConfig, SchedulerOutput
@@ -95,7 +96,7 @@ class Driver:
                 assert seq.num_computed_tokens >= seq.num_prompt_tokens  # never mid-prompt
             if end == len(seq.token_ids):
                 sampled[seq.seq_id] = self.sample(seq)
-        sched.postprocess(out, sampled)
+        sched.update_from_output(out, ModelRunnerOutput.from_tokens(sampled))
         check_pool(sched)
         self.outputs.append(out)
         return out
@@ -339,14 +340,14 @@ def test_abort_frees_blocks_of_running_and_waiting_sequences():
     assert not sched.has_unfinished() and abort(sched, "b") == []
 
 
-def test_finish_between_schedule_and_postprocess_is_skipped():
+def test_finish_between_schedule_and_update_is_skipped():
     sched = make_scheduler()
     a = make_seq(prompt(5), "a", max_tokens=5)
     sched.add(a)
     Driver(sched).step()
     out = sched.schedule()
     sched.finish(a, FinishReason.STOP, stop_reason="###")
-    assert sched.postprocess(out, {a.seq_id: 7}) == []
+    assert sched.update_from_output(out, ModelRunnerOutput.from_tokens({a.seq_id: 7})) == []
     assert a.output_token_ids == [100] and a.stop_reason == "###"
     check_pool(sched)
     assert sched.block_manager.num_free_blocks == 64

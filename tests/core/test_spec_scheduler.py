@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager, hash_block
 from atom.core.ngram_proposer import NgramProposer
 from atom.sampling_params import SamplingParams
@@ -122,7 +123,7 @@ def run(sched: Scheduler, seqs: list[Sequence], *, draft_fn=None, abort_at: dict
             if seq.is_finished:
                 continue
             sampled[seq.seq_id] = verify(seq) if seq.seq_id in out.spec_budget else target(seq.token_ids)
-        sched.postprocess(out, sampled)
+        sched.update_from_output(out, ModelRunnerOutput.from_tokens(sampled))
         check_hashed_blocks(sched)
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaked

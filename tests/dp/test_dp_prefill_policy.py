@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager
 from atom.config import EngineConfig
 from atom.dp.prefill_coalescer import PrefillCoalescer
@@ -158,7 +159,7 @@ def test_local_inputs_come_from_the_scheduler_dry_run():
     params = SamplingParams(max_tokens=8)
     sched.add(Sequence("dec", list(range(100, 103)), params))
     out = sched.schedule()
-    sched.postprocess(out, {out.scheduled[0][0].seq_id: 7})  # "dec" decodes from now on
+    sched.update_from_output(out, ModelRunnerOutput.from_tokens({out.scheduled[0][0].seq_id: 7}))  # "dec" decodes from now on
     sched.add(Sequence("long", list(range(200, 230)), params))
     sched.schedule(allow_prefill=False)  # held one tick: "long" has waited 1
     inputs = local_prefill_inputs(sched)

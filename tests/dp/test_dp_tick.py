@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl
 from atom.dp.tick import (
@@ -49,14 +50,14 @@ def test_batch_shape_and_sampled_seqs_of_a_mixed_step():
     decode, long = seq(6, "d"), seq(60, "p")
     s.add(decode)
     out = s.schedule()
-    s.postprocess(out, {decode.seq_id: 7})  # decode is now past its prompt
+    s.update_from_output(out, ModelRunnerOutput.from_tokens({decode.seq_id: 7}))  # decode is now past its prompt
     s.add(long)
     out = s.schedule()  # decode (1 token) + the first 39-token chunk of the long prompt
     assert batch_shape(out, tbo_eligible=True) == BatchShape(
         num_tokens=40, num_seqs=2, is_dummy=False, tbo_eligible=True, has_prefill=True,
         num_prefill_tokens=39, num_decode_seqs=1)
     assert out.sampled_seqs() == [decode]  # the chunk does not reach the prompt's end
-    s.postprocess(out, {decode.seq_id: 8})
+    s.update_from_output(out, ModelRunnerOutput.from_tokens({decode.seq_id: 8}))
     held = s.schedule(allow_prefill=False)  # the chunk is held, the decode still runs
     assert batch_shape(held, tbo_eligible=False) == BatchShape(
         num_tokens=1, num_seqs=1, num_decode_seqs=1)
@@ -73,7 +74,7 @@ def test_control_state_carries_the_schedulers_prefill_inputs():
     s = scheduler(num_blocks=5)  # 20 tokens
     first = seq(16, "first")
     s.add(first)
-    s.postprocess(s.schedule(), {first.seq_id: 7})
+    s.update_from_output(s.schedule(), ModelRunnerOutput.from_tokens({first.seq_id: 7}))
     s.add(seq(8, "second"))  # needs 2 blocks; 1 is free
     state = control_state(s, has_work=True, shutdown=False, wave_id=3, tick=9)
     assert (state.num_admittable, state.has_pending_prefill, state.wave_id, state.tick) == (

@@ -17,7 +17,7 @@ PLAIN = " Hello world, stop here please. Then more text follows."
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from atom.worker.model_loader import load_tokenizer
+    from atom.worker.model_files import load_tokenizer
 
     return load_tokenizer(None)
 

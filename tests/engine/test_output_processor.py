@@ -26,7 +26,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from atom.worker.model_loader import load_tokenizer
+    from atom.worker.model_files import load_tokenizer
 
     return load_tokenizer(None)
 

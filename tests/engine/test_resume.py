@@ -11,6 +11,7 @@ import pytest
 
 from atom.config import EngineConfig
 from atom.engine.core import EngineCore
+from atom.engine.core_proc import build_engine_core
 from atom.messages import EngineCoreRequest, ResumedChoice
 from atom.sampling_params import SamplingParams
 
@@ -20,8 +21,8 @@ MAX_STEPS = 200  # a request of a dozen tokens finishes well within this many st
 
 @pytest.fixture(scope="module")
 def core():
-    core = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256,
-                                   num_threads=1))
+    core = build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256,
+                                          num_threads=1))
     yield core
     core.close()
 

@@ -97,3 +97,24 @@ def test_reset_prefix_cache_makes_the_next_prompt_cold(llm):
     assert hits_of_one_run() == 0
     stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_the_front_end_process_never_imports_torch():
+    """A real LLM over its spawned engine-core process (tokenizer, chat template, generation,
+    detokenization) leaves torch out of the front end's own process: only the core loads it
+    (docs/ARCHITECTURE.md, "The map"; tests/test_layering.py checks the imports statically)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from atom import LLM, SamplingParams\n"
+        "with LLM(max_model_len=128, num_kv_blocks=8, block_size=16) as llm:\n"
+        "    out = llm.chat([{'role': 'user', 'content': 'Hi'}],\n"
+        "                   SamplingParams(temperature=0.0, max_tokens=2))\n"
+        "    assert out[0].outputs[0].text, out\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

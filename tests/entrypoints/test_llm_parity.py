@@ -28,7 +28,7 @@ MAX_NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from atom.worker.model_loader import load_tokenizer
+    from atom.worker.model_files import load_tokenizer
 
     tok = load_tokenizer(None)
     out = []

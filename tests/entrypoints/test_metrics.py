@@ -55,7 +55,7 @@ def test_single_rank_has_no_policy_series():
 
 
 def test_speculative_decoding_stats_are_exported():
-    from atom.engine.spec_stats import SpecStats
+    from atom.core.spec_stats import SpecStats
 
     spec = SpecStats(3)
     spec.num_verify_steps = 2

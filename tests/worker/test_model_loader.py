@@ -9,12 +9,8 @@ import torch
 
 from atom.worker import model_loader
 from atom.worker.embedded_model import ensure_embedded_gguf
-from atom.worker.model_loader import (
-    ModelArchConfig,
-    arch_config_from_hf,
-    load_model_weights,
-    load_tokenizer,
-)
+from atom.worker.model_files import load_tokenizer
+from atom.worker.model_loader import ModelArchConfig, arch_config_from_hf, load_model_weights
 
 
 @pytest.fixture(scope="module")

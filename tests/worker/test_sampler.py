@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager
 from atom.worker.sampler import (Sampler, apply_penalties, filter_probs, rank_stream_seed,
                                  top_logprobs)
@@ -187,7 +188,7 @@ def _scripted_run(params: SamplingParams, preferred: list[int]) -> Sequence:
         out = sched.schedule()
         sampled = [s for s, n in out.scheduled if s.num_computed_tokens + n == len(s.token_ids)]
         result = sampler(row.expand(len(sampled), VOCAB), sampled)
-        sched.postprocess(out, {s.seq_id: t for s, t in zip(sampled, result.token_ids)})
+        sched.update_from_output(out, ModelRunnerOutput.from_tokens({s.seq_id: t for s, t in zip(sampled, result.token_ids)}))
     assert seq.is_finished and bm.num_free_blocks == bm.num_blocks
     return seq
 

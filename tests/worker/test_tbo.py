@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from atom.worker.tbo import can_split, run_interleaved, split_batch
+from atom.core.tbo_split import can_split, split_batch
+from atom.worker.tbo import run_interleaved
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager
 from atom.core.kv_connector import (KVConnectorMetadata, KVConnectorScheduler, KVLayout, KeepSpec,
                                     LoadSpec, transfer_endpoint)
@@ -36,7 +37,7 @@ def consumer_seq(prompt: list[int], remote_block_ids: list[int], request_id: str
                               remote_num_tokens=len(prompt), first_token_id=77)
     seq = Sequence(request_id, list(prompt), SamplingParams(max_tokens=3, temperature=0))
     seq.kv_transfer_params = params
-    seq.token_ids.append(77)  # as EngineCore._attach_kv_transfer_params does
+    seq.token_ids.append(77)  # as Scheduler.attach_kv_transfer_params does
     return seq
 
 
@@ -47,7 +48,7 @@ def test_local_request_never_touches_the_connector():
     out = sched.schedule()
     assert [(s.request_id, n) for s, n in out.scheduled] == [("plain", 10)]
     assert sched.connector.build_connector_meta().is_empty
-    sched.postprocess(out, {seq.seq_id: 5})
+    sched.update_from_output(out, ModelRunnerOutput.from_tokens({seq.seq_id: 5}))
     assert seq.is_finished and sched.block_manager.num_used_blocks == 0
 
 
@@ -58,14 +59,14 @@ def test_consumer_waits_for_remote_kv_then_decodes_from_the_first_token():
     out = sched.schedule()
     assert out.is_empty and seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
     assert sched.has_unfinished()
-    meta = sched.connector.build_connector_meta()
+    meta = out.kv_connector_metadata  # schedule() hands the worker the loads to start
     assert [(x.request_id, x.remote_block_ids, x.local_block_ids) for x in meta.loads] == [
         ("c", [7, 8, 9], seq.block_table[:3])]
     assert len(seq.block_table) == 3  # 11 tokens (prompt + first token) fit 3 blocks
     from atom.core.kv_connector import KVConnectorOutput
 
-    loaded, failed = sched.update_from_kv_connector_output(KVConnectorOutput(finished_recving={"c"}))
-    assert loaded == [seq] and not failed
+    [output] = sched.update_from_kv_connector_output(KVConnectorOutput(finished_recving={"c"}))
+    assert (output.request_id, output.new_token_ids, output.finish_reason) == ("c", [77], None)
     assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 10
     assert seq.output_token_ids == [77]
     out = sched.schedule()
@@ -77,12 +78,13 @@ def test_consumer_pulls_only_what_its_prefix_cache_lacks():
     first = Sequence("local", list(range(10, 19)), SamplingParams(max_tokens=1))
     sched.add(first)
     out = sched.schedule()
-    sched.postprocess(out, {first.seq_id: 5})  # its 2 full blocks are now cached (and free)
+    # its 2 full blocks are now cached (and free)
+    sched.update_from_output(out, ModelRunnerOutput.from_tokens({first.seq_id: 5}))
     seq = consumer_seq(list(range(10, 20)), [7, 8, 9])
     sched.add(seq)
-    sched.schedule()
+    out = sched.schedule()
     assert seq.num_cached_tokens == 8
-    [load] = sched.connector.build_connector_meta().loads
+    [load] = out.kv_connector_metadata.loads
     assert load.remote_block_ids == [9] and load.local_block_ids == [seq.block_table[2]]
 
 
@@ -97,8 +99,9 @@ def test_aborted_and_failed_pulls_free_their_blocks():
     sched.connector.build_connector_meta()
     sched.finish(a, FinishReason.ABORT)
     assert sched.connector.build_connector_meta().cancels == ["a"]
-    _, failed = sched.update_from_kv_connector_output(KVConnectorOutput(failed_recving={"b": "gone"}))
-    assert failed == [b] and b.finish_reason is FinishReason.ERROR and b.error_message == "gone"
+    [output] = sched.update_from_kv_connector_output(KVConnectorOutput(failed_recving={"b": "gone"}))
+    assert (output.request_id, output.finish_reason, output.error) == ("b", "error", "gone")
+    assert b.finish_reason is FinishReason.ERROR and b.error_message == "gone"
     assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished()
     sched.block_manager.check_invariants()
 
@@ -111,7 +114,7 @@ def test_producer_keeps_blocks_until_sent():
     seq.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     sched.add(seq)
     out = sched.schedule()
-    sched.postprocess(out, {seq.seq_id: 42})
+    sched.update_from_output(out, ModelRunnerOutput.from_tokens({seq.seq_id: 42}))
     assert seq.finish_reason is FinishReason.LENGTH
     params = seq.kv_transfer_params
     assert params.do_remote_prefill and params.first_token_id == 42 and params.remote_num_tokens == 10
@@ -127,7 +130,8 @@ def test_producer_frees_at_once_when_the_first_token_ends_the_request():
     seq = Sequence("p", list(range(10, 20)), SamplingParams(max_tokens=1, temperature=0))
     seq.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     sched.add(seq)
-    sched.postprocess(sched.schedule(), {seq.seq_id: 2})  # EOS: nothing to decode
+    # EOS: nothing to decode
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput.from_tokens({seq.seq_id: 2}))
     assert seq.finish_reason is FinishReason.STOP and seq.kv_transfer_params is None
     assert sched.block_manager.num_used_blocks == 0 and not sched.kv_kept
 

@@ -2,8 +2,12 @@
 real 2-rank run's, on ``scripts/dp_experiment.py``'s workload (its defaults: 3 long prompts
 pinned to the KV-pressured rank 0, 6 bursts of 4 routed short ones) replayed tick-clocked
 (bursts 8 ticks apart), dense and MoE with expert parallelism and TBO, the delayer off and
-on. Every column of the per-tick trace but the clocks and the collective log is compared, row
-by row on every rank, and so are the step counters and the policy's decisions per reason.
+on; MoE with EPLB (the simulator replaying the real run's recorded expert load: its windows,
+plans and balancedness must come out the same); dense with n-gram speculation (the simulator's
+worker emitting the real run's tokens, so the same drafts are proposed and accepted). Every
+column of the per-tick trace but the clocks and the collective log is compared, row by row on
+every rank, and so are the step counters and the policy's decisions per reason. The simulated
+ranks run the real ``EngineCore`` over a cost-model worker (:mod:`atom.dp.sim.rank`).
 
 Real processes, real engine; the models are tiny random ones (a Llama, and a top-2-of-8
 Mixtral with its experts over the 2 ranks): the scheduling path does not depend on the
@@ -23,6 +27,7 @@ from atom.dp.dp_trace import TRACE_COLUMNS, read_trace
 from atom.dp.sim import simulate
 from atom.dp.sim import workload as W
 from atom.dp.sim.cost_model import Coefficients, Profile
+from atom.dp.sim.experts import RecordedExpertLoad
 from atom.dp.sim.replay import run_real
 
 WORKLOAD = W.dp_experiment(clock="tick", burst_interval=8)
@@ -35,7 +40,13 @@ CONFIGS = {"dense, none": dict(prefill_policy="none"),
            "moe ep tbo, none": dict(prefill_policy="none", enable_expert_parallel=True,
                                     enable_tbo=True),
            "moe ep tbo, delayer": dict(prefill_policy="delayer", enable_expert_parallel=True,
-                                       enable_tbo=True)}
+                                       enable_tbo=True),
+           "moe ep eplb, delayer": dict(prefill_policy="delayer", enable_expert_parallel=True,
+                                        enable_eplb=True, eplb_num_redundant_experts=2,
+                                        eplb_window_size=20, eplb_step_interval=20,
+                                        eplb_min_balancedness=1.0),
+           "dense ngram, delayer": dict(prefill_policy="delayer", speculative_method="ngram",
+                                        num_speculative_tokens=3)}
 # the step's timing and the collective log are the real run's own; everything else must match
 COMPARED = [c for c in TRACE_COLUMNS if c not in ("start_us", "sync_us", "step_us",
                                                   "eplb_expert_us", "collective_count",
@@ -71,7 +82,11 @@ def test_simulated_steps_equal_the_real_runs(name, models, tmp_path):
                                  **CONFIGS[name])
     real = run_real(WORKLOAD, dataclasses.replace(config, dp_trace=str(tmp_path / "real")),
                     name=name)
-    sim = simulate(WORKLOAD, config, PROFILE, name=name, trace_dir=tmp_path / "sim")
+    routing = (RecordedExpertLoad.from_trace(tmp_path / "real", num_layers=2, num_experts=8)
+               if config.enable_eplb else None)
+    workload = W.with_outputs(WORKLOAD, real["output_token_ids_by_request"])
+    sim = simulate(workload, config, PROFILE, name=name, trace_dir=tmp_path / "sim",
+                   routing=routing)
     assert [r["num_late_arrivals"] for r in real["per_rank"]] == [0, 0]
     real_trace, sim_trace = read_trace(tmp_path / "real"), read_trace(tmp_path / "sim")
     for r, s in zip(real_trace, sim_trace):
@@ -86,3 +101,10 @@ def test_simulated_steps_equal_the_real_runs(name, models, tmp_path):
     assert real["num_mixed_prefill_steps"] > 0 or real["prefill_policy_stats"][
         "decisions_hold"] > 0
     assert (real["num_tbo_steps"] > 0) == ("tbo" in name)
+    rows = [row for trace in real_trace for row in trace.rows]
+    assert any(row["step_num_spec_tokens"] for row in rows) == ("ngram" in name)
+    if config.enable_eplb:  # windows closed and the placement moved, the same in both
+        windows = [[{k: v for k, v in e.items() if not k.endswith("_ms")}  # real clocks
+                    for e in t.events if e["event"] == "eplb_window"]
+                   for t in (real_trace[0], sim_trace[0])]
+        assert windows[0] == windows[1] and any(w["rebalanced"] for w in windows[0])
