@@ -34,7 +34,7 @@ def _tokens(token_ids: dict):
     """A worker's output emitting ``token_ids`` (seq_id -> token)."""
     from atom.core.model_runner_output import ModelRunnerOutput
 
-    return _tokens(token_ids)
+    return ModelRunnerOutput.from_tokens(token_ids)
 
 
 def make_scheduler(num_seqs: int, num_waiting: int, *, block_size: int, max_model_len: int,
