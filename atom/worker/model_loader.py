@@ -508,6 +508,8 @@ def recommended_sampling(model: str | os.PathLike | None) -> dict[str, float | i
     Raises:
         FileNotFoundError: the model cannot be found (see :func:`resolve_model_path`).
     """
+    if model is None:  # the embedded GGUF (sha256-pinned) carries none: skip a 2-4 s read
+        return {}
     path = resolve_model_path(model)
     if path.is_dir():
         gen = path / "generation_config.json"
