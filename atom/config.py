@@ -363,6 +363,53 @@ class EngineConfig:
             raise ValueError("enable_eplb balances the experts of expert parallelism: set "
                              "enable_expert_parallel (--enable-expert-parallel) too")
 
+    def check_expert_layout(self, num_experts: int | None, *, model: str) -> int | None:
+        """Check the expert options against the model's experts (``num_experts`` per MoE
+        layer, as its ``config.json`` says; None for a dense model), before any process starts
+        (:mod:`atom.engine.preflight`). Returns the experts expert parallelism shards (the
+        model's, or ``moe_split_experts`` of a dense one), None when there are none.
+
+        ``model`` names the model in the messages.
+
+        Raises:
+            ValueError: in one line saying what to change: ``moe_split_experts`` on an MoE,
+                ``enable_expert_parallel`` on a dense model or with fewer experts than DP
+                ranks, EPLB's slots (experts + ``eplb_num_redundant_experts``) not a multiple
+                of the DP size, or more redundant slots than ``experts x (DP size - 1)`` (a
+                rank would hold more slots than there are experts: two copies of one).
+        """
+        if self.moe_split_experts is not None and num_experts is not None:
+            raise ValueError(f"--moe-split-experts splits a dense model's MLPs into experts, but "
+                             f"{model} is an MoE ({num_experts} experts a layer): drop "
+                             f"--moe-split-experts (--enable-expert-parallel shards its own "
+                             f"experts)")
+        experts = self.moe_split_experts or num_experts
+        if not self.enable_expert_parallel:
+            return experts
+        dp = self.data_parallel_size
+        if experts is None:
+            raise ValueError(f"--enable-expert-parallel needs an MoE model and {model} is dense: "
+                             f"load an MoE (e.g. a Qwen3-MoE or Mixtral folder), split this one "
+                             f"with --moe-split-experts E, or drop --enable-expert-parallel")
+        if experts < dp:
+            raise ValueError(f"{experts} experts cannot be sharded over {dp} ranks (each rank "
+                             f"needs one): use --data-parallel-size {experts} or fewer")
+        if not self.enable_eplb:
+            return experts
+        redundant = self.eplb_num_redundant_experts
+        if (experts + redundant) % dp:
+            fits = -experts % dp  # the fewest redundant slots that divide
+            raise ValueError(f"EPLB: {experts} experts + {redundant} redundant slots = "
+                             f"{experts + redundant} slots a layer, not a multiple of the {dp} "
+                             f"ranks: set --eplb-num-redundant-experts to {fits} plus a multiple "
+                             f"of {dp}")
+        if redundant > experts * (dp - 1):
+            raise ValueError(f"EPLB: {redundant} redundant slots over {dp} ranks give each rank "
+                             f"{(experts + redundant) // dp} slots for {experts} experts (a rank "
+                             f"would hold two copies of one): use at most {experts * (dp - 1)} "
+                             f"(--eplb-num-redundant-experts)")
+        return experts
+
     def _check_kv_transfer(self) -> None:
         """The P/D settings (``__post_init__``). Raises ValueError."""
         if self.kv_role is not None and self.kv_role not in KV_ROLES:

@@ -5,8 +5,10 @@ engine-core process starts.
 so a folder the cores could not load fails in the user's process, at once and in one line
 (``atom generate: error: ...``, exit code 2), instead of seconds later in every rank. What only
 an engine core can find (weights that do not fit the model, a KV pool that does not fit in
-memory, expert parallelism over a dense model) comes back from the core as
-:class:`~atom.engine.liveness.EngineStartError`.
+memory) comes back from the core as :class:`~atom.engine.liveness.EngineStartError`. The
+expert options are checked here against what ``config.json`` says of the experts
+(:meth:`atom.config.EngineConfig.check_expert_layout`: expert parallelism over a dense model,
+fewer experts than ranks, EPLB's redundant slots).
 
 Every check reads headers only: ``config.json``, the safetensors headers (names, dtypes,
 shapes; no tensor data), a GGUF file's magic number and metadata. The embedded model is atom's own
@@ -46,18 +48,34 @@ def check_model_files(config: EngineConfig) -> None:
     without ``quantization_config`` (or with a quant method that family dequantizes at load:
     gpt-oss's MXFP4), its ``*.safetensors`` headers are readable and hold float tensors only
     (and that method's uint8 tensors); the folder has tokenizer files (unless
-    ``skip_tokenizer_init``).
+    ``skip_tokenizer_init``); the expert options fit the model's experts (a GGUF file and the
+    embedded model are dense Llamas).
 
     Raises:
         FileNotFoundError: the path does not exist, or a folder has no ``*.safetensors``.
         ValueError: anything else above; the message names the file and what to change.
     """
+    num_experts, name = None, "the embedded model"
     if config.model is not None:
         path = _check_weights(config.model)
-        if path.is_dir() and not config.skip_tokenizer_init:
-            _check_tokenizer_files(path)
+        name = str(path)
+        if path.is_dir():
+            num_experts = _num_routed_experts(path / "config.json")
+            if not config.skip_tokenizer_init:
+                _check_tokenizer_files(path)
+    config.check_expert_layout(num_experts, model=name)
     if config.draft_model is not None:
         _check_weights(config.draft_model)
+
+
+def _num_routed_experts(file: pathlib.Path) -> int | None:
+    """Experts of each MoE layer of the model ``file`` (a checked ``config.json``) describes;
+    None for a dense one. Raises ValueError for a config the model cannot be built from."""
+    from atom.models import get_model_class
+    from atom.worker.model_loader import arch_config_from_hf
+
+    arch = arch_config_from_hf(_read_config_json(file), source=str(file))
+    return get_model_class(arch.architecture).num_routed_experts(arch)
 
 
 def _check_weights(model: str) -> pathlib.Path:

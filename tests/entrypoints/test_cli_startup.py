@@ -73,6 +73,15 @@ def test_what_only_the_core_finds_comes_back_in_one_line(tmp_path):
     # the traceback under --log-level DEBUG: tests/engine/test_engine_core.py
 
 
+def test_expert_options_a_dense_config_cannot_take_fail_before_any_process(no_tokenizer, capsys):
+    argv = ["generate", "--model", str(no_tokenizer), "--skip-tokenizer-init",
+            "--prompt-token-ids", "1,2", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    code, err = _main(argv, capsys)  # in this process: nothing started, nothing loaded
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"atom generate: error: --enable-expert-parallel needs an MoE model "
+                          f"and {no_tokenizer} is dense: ")
+
+
 def test_no_tokenizer_names_the_folder_and_the_fix(no_tokenizer, capsys):
     code, err = _main(["generate", "--model", str(no_tokenizer), "--prompt", "w5"], capsys)
     assert code == 2 and err.count("\n") == 1, err
