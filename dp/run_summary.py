@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 
 from atom.config import EngineConfig
-from atom.dp.expert_parallel import expert_range
 from atom.engine.liveness import EngineDeadError
 
 __all__ = ["dp_summary_line", "print_dp_summary"]
@@ -80,6 +79,9 @@ def _expert_layout(config: EngineConfig, num_experts: int | None, rank_stats: li
                 f"rank), EPLB {int(eplb.get('eplb_num_rebalances', 0))} rebalance(s), last "
                 f"balancedness " + ("none (no window closed)" if balancedness is None
                                     else f"{balancedness:.2f}"))
+    # imported here: this module is imported before an engine starts (atom serve), torch-free
+    from atom.dp.expert_parallel import expert_range
+
     sizes = [end - start for start, end in (expert_range(num_experts, rank, num_ranks)
                                             for rank in range(num_ranks))]
     per = f"{sizes[0]} a rank" if len(set(sizes)) == 1 else " / ".join(map(str, sizes))

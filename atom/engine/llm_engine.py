@@ -104,9 +104,10 @@ class LLMEngine:
                  client_factory: Callable[[EngineConfig, tuple[int, ...]], EngineCoreClient]
                  | None = None):
         from atom.engine.preflight import check_model_files
+
+        check_model_files(config)  # before the tokenizer and any process (and before torch)
         from atom.worker.model_loader import load_tokenizer
 
-        check_model_files(config)  # before the tokenizer and any process
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         # The core has no tokenizer: the tokenizer's EOS id travels to it from here.

@@ -55,27 +55,32 @@ def check_model_files(config: EngineConfig) -> None:
         FileNotFoundError: the path does not exist, or a folder has no ``*.safetensors``.
         ValueError: anything else above; the message names the file and what to change.
     """
-    num_experts, name = None, "the embedded model"
+    _check_expert_options(config)
     if config.model is not None:
         path = _check_weights(config.model)
-        name = str(path)
-        if path.is_dir():
-            num_experts = _num_routed_experts(path / "config.json")
-            if not config.skip_tokenizer_init:
-                _check_tokenizer_files(path)
-    config.check_expert_layout(num_experts, model=name)
+        if path.is_dir() and not config.skip_tokenizer_init:
+            _check_tokenizer_files(path)
     if config.draft_model is not None:
         _check_weights(config.draft_model)
 
 
-def _num_routed_experts(file: pathlib.Path) -> int | None:
-    """Experts of each MoE layer of the model ``file`` (a checked ``config.json``) describes;
-    None for a dense one. Raises ValueError for a config the model cannot be built from."""
-    from atom.models import get_model_class
-    from atom.worker.model_loader import arch_config_from_hf
+def _check_expert_options(config: EngineConfig) -> None:
+    """The expert options against the experts ``config.json`` gives, first and torch-free (so
+    a wrong flag fails in well under 2 s; :meth:`EngineConfig.check_expert_layout`). A path
+    that is no folder with a ``config.json`` is left to :func:`_check_weights`."""
+    if not config.enable_expert_parallel and config.moe_split_experts is None:
+        return
+    from atom.models import num_routed_experts
 
-    arch = arch_config_from_hf(_read_config_json(file), source=str(file))
-    return get_model_class(arch.architecture).num_routed_experts(arch)
+    if config.model is None:  # the embedded SmolLM2: a dense Llama
+        config.check_expert_layout(None, model="the embedded model")
+        return
+    path = pathlib.Path(config.model).expanduser()
+    if path.is_file():  # a GGUF file: atom reads Llama ones only
+        config.check_expert_layout(None, model=str(path))
+    elif (path / "config.json").is_file():
+        hf_config = _read_config_json(path / "config.json")
+        config.check_expert_layout(num_routed_experts(hf_config), model=str(path))
 
 
 def _check_weights(model: str) -> pathlib.Path:
@@ -116,8 +121,7 @@ def _check_weights(model: str) -> pathlib.Path:
 def _check_architecture(hf_config: dict, file: pathlib.Path) -> str:
     """``config.json``'s architecture; raises with one line naming the supported ones
     (:mod:`atom.models`' registry, torch-free) unless it is one of them."""
-    from atom.models import check_architecture
-    from atom.worker.model_loader import hf_architecture
+    from atom.models import check_architecture, hf_architecture
 
     architecture = hf_architecture(hf_config) or str(hf_config.get("model_type"))
     check_architecture(architecture, source=str(file))

@@ -125,13 +125,6 @@ class DecoderForCausalLM(nn.Module):
         return None
 
     @classmethod
-    def num_routed_experts(cls, config) -> int | None:
-        """Experts of each MoE layer, from the config alone (None: the model has no MoE
-        layer), so the front end checks the expert options before any process starts
-        (:mod:`atom.engine.preflight`). The default reads the family's ``num_experts``."""
-        return getattr(config.family, "num_experts", None) or None
-
-    @classmethod
     def make_attention(cls, config, layer_idx: int) -> nn.Module:
         return Attention(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                          num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)

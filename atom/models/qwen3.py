@@ -98,16 +98,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
 
     @classmethod
-    def num_routed_experts(cls, config) -> int | None:
-        """``num_experts``, if some layer is sparse (:func:`is_sparse_layer`)."""
-        moe = config.family
-        sparse = any(is_sparse_layer(i, num_experts=moe.num_experts,
-                                     decoder_sparse_step=moe.decoder_sparse_step,
-                                     mlp_only_layers=moe.mlp_only_layers)
-                     for i in range(config.num_hidden_layers))
-        return moe.num_experts if sparse else None
-
-    @classmethod
     def make_mlp(cls, config, layer_idx: int, expert_shard: ExpertShard | None) -> nn.Module:
         moe = config.family
         if not is_sparse_layer(layer_idx, num_experts=moe.num_experts,

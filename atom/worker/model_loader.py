@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from atom.models import check_architecture, get_model_class
+from atom.models import check_architecture, get_model_class, hf_architecture
 from atom.worker.checkpoint import Checkpoint
 from atom.worker.embedded_model import cache_dir, ensure_embedded_gguf
 
@@ -338,14 +338,6 @@ def _save_atomically(
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face folders
-
-
-def hf_architecture(config: dict) -> str:
-    """``architectures[0]`` of a parsed ``config.json`` (old Llama configs name only their
-    ``model_type``); "" when it names none."""
-    archs = config.get("architectures") or (
-        ["LlamaForCausalLM"] if config.get("model_type") == "llama" else [])
-    return archs[0] if archs else ""
 
 
 def arch_config_from_hf(config: dict, generation_config: dict | None = None, *,

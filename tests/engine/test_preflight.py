@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import psutil
@@ -130,8 +132,10 @@ EP2 = dict(data_parallel_size=2, enable_expert_parallel=True)
     # what config.json tells of the experts, checked against the options (issue 54)
     ("LlamaForCausalLM", {}, EP2, "--enable-expert-parallel needs an MoE model and {folder} is "
                                   "dense: load an MoE"),
-    ("Qwen3MoeForCausalLM", dict(num_experts=8, moe_intermediate_size=32, mlp_only_layers=[0, 1]),
-     EP2, "--enable-expert-parallel needs an MoE model and {folder} is dense"),  # all dense
+    ("Qwen3MoeForCausalLM", dict(num_experts=8, moe_intermediate_size=32),
+     dict(EP2, data_parallel_size=16), "8 experts cannot be sharded over 16 ranks"),
+    ("DeepseekV3ForCausalLM", dict(n_routed_experts=4), dict(EP2, data_parallel_size=8),
+     "4 experts cannot be sharded over 8 ranks"),  # DeepSeek's
     ("MixtralForCausalLM", dict(num_local_experts=8), dict(moe_split_experts=4),
      "--moe-split-experts splits a dense model's MLPs into experts, but {folder} is an MoE (8 "
      "experts a layer): drop --moe-split-experts"),
@@ -153,6 +157,19 @@ def test_expert_options_against_config_json(copy, architecture, keys, options, m
         _check(copy, **options)
     assert str(info.value).startswith(message.format(folder=copy)), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_the_expert_check_comes_first_and_imports_no_torch(copy):
+    _as_moe(copy, "MixtralForCausalLM", num_local_experts=8)
+    code = (f"import sys; from atom.config import EngineConfig; "
+            f"from atom.engine.llm_engine import LLMEngine\n"
+            f"try: LLMEngine(EngineConfig(model={str(copy)!r}, moe_split_experts=4))\n"
+            f"except ValueError as exc: print(exc)\n"
+            f"assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("--moe-split-experts splits a dense model's MLPs")
 
 
 def test_expert_options_that_fit_pass(copy):
