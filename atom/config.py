@@ -31,6 +31,25 @@ _REPLACED_OPTIONS = {
     "prefill_delayer": "use prefill_policy='delayer' or 'none' "
                        "(--prefill-policy delayer|none)",
 }
+#: vLLM's options that atom spells otherwise or does not have: option name -> (vLLM's short
+#: flag or None, what to use in atom). Each is a one-line usage error naming the atom spelling,
+#: on the command line and as an ``LLM(...)`` / ``EngineConfig.from_kwargs`` keyword.
+VLLM_OPTION_HINTS = {
+    "data_parallel_size": ("-dp", "atom spells it --data-parallel-size N (data_parallel_size)"),
+    "tensor_parallel_size": ("-tp", "atom has no tensor parallelism: scale with "
+                                    "--data-parallel-size N (data_parallel_size), and shard an "
+                                    "MoE's experts over the ranks with --enable-expert-parallel"),
+    "pipeline_parallel_size": ("-pp", "atom has no pipeline parallelism: scale with "
+                                      "--data-parallel-size N (data_parallel_size)"),
+    "num_redundant_experts": (None, "atom spells it --eplb-num-redundant-experts N "
+                                    "(eplb_num_redundant_experts), with --enable-eplb"),
+    "eplb_config": (None, "atom's EPLB settings are options of their own: "
+                          "--eplb-window-size, --eplb-step-interval, "
+                          "--eplb-num-redundant-experts, --eplb-min-balancedness (eplb_*), "
+                          "with --enable-eplb"),
+    "enable_dbo": (None, "atom's two-batch overlap is --enable-tbo (enable_tbo), with "
+                         "--enable-expert-parallel"),
+}
 
 
 @dataclass(frozen=True)
@@ -187,7 +206,8 @@ class EngineConfig:
     changes the model's output: never for serving."""
     enable_tbo: bool = False
     """Two-batch overlap: run prefill steps as two micro-batches whose MoE collectives overlap
-    the other's compute (across DP ranks, only on steps where every rank can split)."""
+    the other's compute (across DP ranks, only on steps where every rank can split); needs
+    data_parallel_size > 1 and enable_expert_parallel (the collectives it overlaps)."""
     moe_split_experts: int | None = None
     """Split every dense MLP into this many experts along the intermediate dimension, each
     token routed to all of them with gate 1 (the dense model's function, as an MoE: the checkable model
@@ -274,6 +294,10 @@ class EngineConfig:
         if self.moe_split_experts is not None and self.moe_split_experts < 1:
             raise ValueError(f"moe_split_experts={self.moe_split_experts} must be >= 1")
         self._check_prefill_policy()
+        if self.enable_tbo and not self.enable_expert_parallel:
+            raise ValueError("enable_tbo overlaps the MoE collectives of expert parallelism with "
+                             "compute: set enable_expert_parallel (--enable-expert-parallel) too, "
+                             "or drop --enable-tbo")
         self._check_eplb()
         self._check_speculative()
         self._check_kv_transfer()
@@ -339,6 +363,53 @@ class EngineConfig:
             raise ValueError("enable_eplb balances the experts of expert parallelism: set "
                              "enable_expert_parallel (--enable-expert-parallel) too")
 
+    def check_expert_layout(self, num_experts: int | None, *, model: str) -> int | None:
+        """Check the expert options against the model's experts (``num_experts`` per MoE
+        layer, as its ``config.json`` says; None for a dense model), before any process starts
+        (:mod:`atom.engine.preflight`). Returns the experts expert parallelism shards (the
+        model's, or ``moe_split_experts`` of a dense one), None when there are none.
+
+        ``model`` names the model in the messages.
+
+        Raises:
+            ValueError: in one line saying what to change: ``moe_split_experts`` on an MoE,
+                ``enable_expert_parallel`` on a dense model or with fewer experts than DP
+                ranks, EPLB's slots (experts + ``eplb_num_redundant_experts``) not a multiple
+                of the DP size, or more redundant slots than ``experts x (DP size - 1)`` (a
+                rank would hold more slots than there are experts: two copies of one).
+        """
+        if self.moe_split_experts is not None and num_experts is not None:
+            raise ValueError(f"--moe-split-experts splits a dense model's MLPs into experts, but "
+                             f"{model} is an MoE ({num_experts} experts a layer): drop "
+                             f"--moe-split-experts (--enable-expert-parallel shards its own "
+                             f"experts)")
+        experts = self.moe_split_experts or num_experts
+        if not self.enable_expert_parallel:
+            return experts
+        dp = self.data_parallel_size
+        if experts is None:
+            raise ValueError(f"--enable-expert-parallel needs an MoE model and {model} is dense: "
+                             f"load an MoE (e.g. a Qwen3-MoE or Mixtral folder), split this one "
+                             f"with --moe-split-experts E, or drop --enable-expert-parallel")
+        if experts < dp:
+            raise ValueError(f"{experts} experts cannot be sharded over {dp} ranks (each rank "
+                             f"needs one): use --data-parallel-size {experts} or fewer")
+        if not self.enable_eplb:
+            return experts
+        redundant = self.eplb_num_redundant_experts
+        if (experts + redundant) % dp:
+            fits = -experts % dp  # the fewest redundant slots that divide
+            raise ValueError(f"EPLB: {experts} experts + {redundant} redundant slots = "
+                             f"{experts + redundant} slots a layer, not a multiple of the {dp} "
+                             f"ranks: set --eplb-num-redundant-experts to {fits} plus a multiple "
+                             f"of {dp}")
+        if redundant > experts * (dp - 1):
+            raise ValueError(f"EPLB: {redundant} redundant slots over {dp} ranks give each rank "
+                             f"{(experts + redundant) // dp} slots for {experts} experts (a rank "
+                             f"would hold two copies of one): use at most {experts * (dp - 1)} "
+                             f"(--eplb-num-redundant-experts)")
+        return experts
+
     def _check_kv_transfer(self) -> None:
         """The P/D settings (``__post_init__``). Raises ValueError."""
         if self.kv_role is not None and self.kv_role not in KV_ROLES:
@@ -381,7 +452,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a fraction in (0, 1]")
         if self.data_parallel_size == 1:
             for name, off in (("prefill_policy", (None, "none")), ("prefill_decode_interval", (0,)),
-                              ("dp_trace", (None,)), ("enable_eplb", (False,))):
+                              ("dp_trace", (None,)), ("enable_eplb", (False,)),
+                              ("enable_tbo", (False,))):
                 if getattr(self, name) not in off:
                     raise ValueError(f"{name}={getattr(self, name)!r} needs data parallelism: "
                                      f"set data_parallel_size > 1 or leave it unset")
@@ -430,12 +502,13 @@ class EngineConfig:
         """This config for a group of ``num_ranks`` ranks (a deployment shrunk by a rank
         failure keeps running the DP loop). At one rank the options that need data parallelism
         (:meth:`_check_prefill_policy`) are turned off, with a warning: the prefill policy
-        (nothing to align with), the decode interval, the trace and EPLB (nothing to balance)."""
+        (nothing to align with), the decode interval, the trace, EPLB (nothing to balance) and
+        TBO (no collectives to overlap)."""
         changes: dict[str, Any] = {"data_parallel_size": num_ranks}
         if num_ranks == 1:
             off = {"prefill_policy": (None, "none"), "prefill_decode_interval": (0,),
                    "dp_trace": (None,), "enable_eplb": (False,), "eplb_num_redundant_experts": (0,),
-                   "eplb_fake_uniform": (False,)}
+                   "eplb_fake_uniform": (False,), "enable_tbo": (False,)}
             dropped = {k: v[0] for k, v in off.items() if getattr(self, k) not in v}
             if dropped:
                 import logging
@@ -460,6 +533,9 @@ class EngineConfig:
         if replaced:
             raise TypeError(f"engine option {replaced[0]!r} was replaced: "
                             f"{_REPLACED_OPTIONS[replaced[0]]}")
+        vllm = sorted(set(kwargs) & set(VLLM_OPTION_HINTS) - {f.name for f in fields(cls)})
+        if vllm:
+            raise TypeError(f"{vllm[0]!r} is vLLM's option: {VLLM_OPTION_HINTS[vllm[0]][1]}")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - valid)
         if unknown:
@@ -595,18 +671,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, type=kind, help=docs.get(f.name))
     for name, hint in _REPLACED_OPTIONS.items():
         flag = name.replace("_", "-")
-        parser.add_argument(f"--{flag}", f"--no-{flag}", action=_ReplacedFlag, hint=hint)
+        parser.add_argument(f"--{flag}", f"--no-{flag}", action=_ReplacedFlag,
+                            hint=f"was replaced: {hint}")
+    names = {f.name for f in fields(EngineConfig)}
+    for name, (short, hint) in VLLM_OPTION_HINTS.items():
+        flags = [short] if short else []
+        if name not in names:  # atom has no such option: vLLM's long spelling is the hint too
+            flags.append("--" + name.replace("_", "-"))
+        parser.add_argument(*flags, action=_ReplacedFlag, hint=f"is vLLM's option: {hint}")
 
 
 class _ReplacedFlag(argparse.Action):
-    """A flag that was replaced: using it is a usage error that names the replacement."""
+    """A flag atom does not take (replaced, or vLLM's): using it is a usage error that says
+    what to use instead."""
 
     def __init__(self, option_strings, dest, *, hint: str, **kwargs):
         super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
         self.hint = hint
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was replaced: {self.hint}")
+        parser.error(f"{option_string} {self.hint}")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

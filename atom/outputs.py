@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times of one request (``time.monotonic()`` seconds) and derived latencies."""
+    """Wall-clock times of one request (``time.monotonic()`` seconds) and derived latencies,
+    and the DP rank that ran it (``dp_rank``: the last one when a rank failure resumed it on
+    another; 0 with one rank; None when it never reached a rank)."""
 
     arrival_time_s: float
     first_token_time_s: float | None = None
     finished_time_s: float | None = None
     num_output_tokens: int = 0
+    dp_rank: int | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -120,9 +120,9 @@ class DPEngineCoreClient(MPClient):
     # ----- routing -----
 
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None) -> int:
         """Route and send a request (``data_parallel_rank`` pins the rank; ``session_id``:
-        cache_aware keeps a session on its rank).
+        cache_aware keeps a session on its rank); returns the rank it went to.
 
         Raises:
             ValueError: a bad rank hint, or a request id already running.
@@ -144,6 +144,7 @@ class DPEngineCoreClient(MPClient):
             self._start_wave_deferred = True  # after the replay's other requests
         elif self.group_idle:
             self._start_wave()
+        return rank
 
     def _start_wave(self) -> None:
         self._broadcast(StartWave(self.wave_id))

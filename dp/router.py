@@ -19,6 +19,14 @@ Policies (``--dp-load-balance``, :data:`atom.config.DP_LOAD_BALANCE_POLICIES`):
   **Ties never rotate a session away**: among equally good ranks (equal prefixes, or equal
   loads in a fallback) the session's rank wins; only then the least loaded, then the rotation.
 
+  **A new session is placed by load**: the first request of a session id the router has not
+  seen goes to the least-loaded rank (*least load*; among those, the longest cached prefix,
+  then the rotation). Every later turn follows the session to that rank, so its first placement
+  decides a share of the load for the whole conversation, and all a new session can match is
+  a prefix other sessions share (a long system prompt): a hit there would draw every new
+  session to the one rank that cached it first, up to the guard (4 of 6 concurrent sessions at
+  DP 2, and all their turns with them), where the other rank pays that prefix's prefill once.
+
 An explicit per-request rank hint (``data_parallel_rank``) wins over every policy.
 
 **Load** is each rank's unfinished requests as this router dispatched them: charged at dispatch
@@ -112,7 +120,7 @@ def least_loaded(loads: Sequence[int], rotation: int, *, among: Sequence[int] | 
 
 def cache_aware_choice(loads: Sequence[int], matches: Mapping[int, int], *, num_blocks: int,
                        session_rank: int | None, settings: CacheAwareSettings,
-                       rotation: int) -> tuple[int, str]:
+                       rotation: int, new_session: bool = False) -> tuple[int, str]:
     """The rank and reason of one ``cache_aware`` decision (module docstring), a pure function.
 
     Args:
@@ -123,10 +131,16 @@ def cache_aware_choice(loads: Sequence[int], matches: Mapping[int, int], *, num_
             its first request).
         settings: the hit threshold and the load guard.
         rotation: where least-load ties resume.
+        new_session: the request is the first of its session (placed by load).
     """
     preferred, reason = None, LEAST_LOAD
     threshold = max(1.0, settings.min_match_ratio * num_blocks)
     hits = [r for r, m in matches.items() if m >= threshold]
+    if new_session:
+        low = min(loads)
+        tied_hits = [r for r in hits if loads[r] == low]
+        best = max(tied_hits, key=lambda r: matches[r], default=None)
+        return least_loaded(loads, rotation, prefer=best), LEAST_LOAD
     if hits:
         best = max(matches[r] for r in hits)
         tied = [r for r in hits if matches[r] == best]
@@ -235,7 +249,8 @@ class DPRouter:
         session_rank = None if session_id is None else self._sessions.get(session_id)
         return cache_aware_choice(self._loads, matches, num_blocks=len(block_hashes),
                                   session_rank=session_rank, settings=self.cache_aware,
-                                  rotation=self._next)
+                                  rotation=self._next,
+                                  new_session=session_id is not None and session_rank is None)
 
     def release(self, request_id: str) -> int | None:
         """The request finished or was aborted: release its load. Idempotent (a second release

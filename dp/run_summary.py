@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 
 from atom.config import EngineConfig
-from atom.dp.expert_parallel import expert_range
 from atom.engine.liveness import EngineDeadError
 
 __all__ = ["dp_summary_line", "print_dp_summary"]
@@ -30,18 +29,24 @@ _HOLDS = "prefill_policy_decisions_hold"
 
 
 def dp_summary_line(rank_stats: list[dict], *, config: EngineConfig,
-                    num_experts: int | None) -> str | None:
-    """The summary line (module docstring), or None with one rank (nothing to say).
+                    num_experts: int | None, started_dp_size: int | None = None) -> str | None:
+    """The summary line (module docstring), or None for a deployment of one rank (nothing to
+    say). A group that rank failures shrank (``started_dp_size`` over the ranks now) reads
+    ``DP 1 (2 at start: rank failures shrank the group; counters since)``.
 
     Args:
         rank_stats: each rank's stats, in rank order (``get_rank_stats()``).
-        config: the deployment's options (TBO, expert parallelism, the prefill policy).
+        config: the current group's options (TBO, expert parallelism, the prefill policy).
         num_experts: experts of each MoE layer (``runtime.num_experts``); None for a dense
             model.
+        started_dp_size: the DP size the deployment started with (None: as now).
     """
     num_ranks = len(rank_stats)
-    if num_ranks < 2:
+    started = started_dp_size or num_ranks
+    if num_ranks < 1 or started < 2:
         return None
+    size = (f"DP {num_ranks}" if started == num_ranks else
+            f"DP {num_ranks} ({started} at start: rank failures shrank the group; counters since)")
 
     def per_rank(key: str) -> str:
         return " / ".join(str(int(stats.get(key, 0))) for stats in rank_stats)
@@ -53,7 +58,7 @@ def dp_summary_line(rank_stats: list[dict], *, config: EngineConfig,
     holds = (f"prefill policy {config.resolved_prefill_policy()}: {num_holds} holds (hold rate "
              f"{policy.get('prefill_policy_hold_rate', 0.0):.2f}, longest "
              f"{int(policy.get('prefill_policy_max_consecutive_holds', 0))} ticks)")
-    return (f"atom: DP {num_ranks}, {_expert_layout(config, num_experts, rank_stats)}, TBO "
+    return (f"atom: {size}, {_expert_layout(config, num_experts, rank_stats)}, TBO "
             f"{'on' if config.enable_tbo else 'off'}; per rank: requests {requests}, steps "
             f"{per_rank('num_steps')}, dummy {per_rank('num_dummy_steps')}, TBO "
             f"{per_rank('num_tbo_steps')}; {holds}")
@@ -74,6 +79,9 @@ def _expert_layout(config: EngineConfig, num_experts: int | None, rank_stats: li
                 f"rank), EPLB {int(eplb.get('eplb_num_rebalances', 0))} rebalance(s), last "
                 f"balancedness " + ("none (no window closed)" if balancedness is None
                                     else f"{balancedness:.2f}"))
+    # imported here: this module is imported before an engine starts (atom serve), torch-free
+    from atom.dp.expert_parallel import expert_range
+
     sizes = [end - start for start, end in (expert_range(num_experts, rank, num_ranks)
                                             for rank in range(num_ranks))]
     per = f"{sizes[0]} a rank" if len(set(sizes)) == 1 else " / ".join(map(str, sizes))
@@ -81,8 +89,8 @@ def _expert_layout(config: EngineConfig, num_experts: int | None, rank_stats: li
 
 
 def print_dp_summary(engine) -> None:
-    """:func:`dp_summary_line` of a running engine on stderr; nothing with one rank or once the
-    engine is dead.
+    """:func:`dp_summary_line` of a running engine on stderr (also after rank failures shrank
+    it to one rank); nothing for a deployment started with one rank or once the engine is dead.
 
     Args:
         engine: the deployment's :class:`~atom.engine.llm_engine.LLMEngine` (``LLM.engine``),
@@ -94,7 +102,10 @@ def print_dp_summary(engine) -> None:
         rank_stats = engine.get_rank_stats()
     except EngineDeadError:
         return
-    line = dp_summary_line(rank_stats, config=engine.config,
-                           num_experts=engine.runtime.num_experts)
+    started = engine.config.data_parallel_size
+    # a shrunk group runs its client's config (the options that need several ranks dropped)
+    config = engine.config if len(rank_stats) == started else engine.client.config
+    line = dp_summary_line(rank_stats, config=config, num_experts=engine.runtime.num_experts,
+                           started_dp_size=started)
     if line is not None:
         print(line, file=sys.stderr, flush=True)

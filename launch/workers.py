@@ -90,8 +90,9 @@ class WorkerFailure:
         text = f"{where} failed with {describe_exit_code(self.exit_code)}"
         if self.log_path:
             text += f"\n  its stderr: {self.log_path}"
-        if self.details:
-            body = "\n".join("  " + line for line in self.details.rstrip().splitlines())
+        lines = self.details.strip("\n").rstrip().splitlines()
+        if lines:  # a tail of blank lines says nothing: no heading over an empty body
+            body = "\n".join("  " + line for line in lines)
             text += f"\n  last lines of its error:\n{body}"
         return text
 

@@ -7,7 +7,9 @@ Chrome trace / Perfetto JSON and a PNG timeline, and print a per-rank summary.
   instant ``hold: <reason>`` on every held tick; a KV-usage counter per rank.
 - PNG (``--png``): ranks × ticks, each cell coloured by the step's kind (prefill on an aligned
   tick, prefill on a mixed tick, decode, dummy), a strip on top marking held ticks, and below it
-  each rank's step time per tick (ms, the rank's own clock).
+  each rank's step time per tick (ms, the rank's own clock). The x axis counts ticks; a second
+  axis on top gives the seconds since the first tick (rank 0's clock: ticks are not evenly
+  spaced in time). The title names the trace folder (not its whole path) and the policy.
 
     python scripts/dp_trace.py results/dp_trace --perfetto results/dp_trace.json \\
         --png results/dp_trace.png
@@ -56,6 +58,35 @@ def _runs(ticks: list[int]) -> list[tuple[int, int]]:
     return bars
 
 
+def default_title(trace: str, traces: list[RankTrace]) -> str:
+    """The PNG's title: the trace folder's name (not its path) and the policy."""
+    return f"{pathlib.Path(trace).resolve().name} (policy {traces[0].header['policy']})"
+
+
+def tick_to_seconds(rows: list[dict]):
+    """``(forward, inverse)`` between ticks and seconds since the first row's start (``rows``:
+    one rank's trace rows, ticks increasing), for a secondary axis: interpolated between rows,
+    extended past them at the run's mean seconds per tick (matplotlib asks outside the data
+    too, and needs both directions monotonic)."""
+    import numpy as np
+
+    ticks = np.array([row["tick"] for row in rows], dtype=float)
+    seconds = (np.array([row["start_us"] for row in rows], dtype=float) - rows[0]["start_us"]) / 1e6
+    seconds += np.arange(len(rows)) * 1e-9  # strictly increasing: one clock µs may hold two
+    if len(rows) == 1:
+        ticks, seconds = np.append(ticks, ticks[0] + 1), np.append(seconds, seconds[0] + 1e-3)
+    slope = (seconds[-1] - seconds[0]) / (ticks[-1] - ticks[0])
+
+    def interp(x, xp, fp, slope):
+        x = np.asarray(x, dtype=float)
+        y = np.interp(x, xp, fp)
+        y = np.where(x < xp[0], fp[0] + (x - xp[0]) * slope, y)
+        return np.where(x > xp[-1], fp[-1] + (x - xp[-1]) * slope, y)
+
+    return (lambda x: interp(x, ticks, seconds, slope),
+            lambda s: interp(s, seconds, ticks, 1 / slope))
+
+
 def plot(traces: list[RankTrace], path: pathlib.Path, *, title: str) -> None:
     """The PNG timeline (module docstring)."""
     import matplotlib
@@ -80,6 +111,8 @@ def plot(traces: list[RankTrace], path: pathlib.Path, *, title: str) -> None:
                   [f"dp{r}" for r in range(n)] + ["held"])
     ax.set_ylim(0, n + 1)
     ax.set_title(title)
+    top = ax.secondary_xaxis("top", functions=tick_to_seconds(traces[0].rows))
+    top.set_xlabel("seconds since the first tick (dp0)")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], ncol=5,
               loc="upper center", bbox_to_anchor=(0.5, -0.02), fontsize="small", frameon=False)
     ax_ms.set_ylabel("step (ms)")
@@ -107,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         out = pathlib.Path(args.png)
         out.parent.mkdir(parents=True, exist_ok=True)
-        title = args.title or f"{args.trace} (policy {traces[0].header['policy']})"
+        title = args.title or default_title(args.trace, traces)
         plot(traces, out, title=title)
         print(f"wrote {out}", file=sys.stderr)
     return 0

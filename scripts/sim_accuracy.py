@@ -43,10 +43,11 @@ from atom.dp.sim.replay import run_real
 BASE = EngineConfig(data_parallel_size=2, dtype="float32", num_threads=1, num_kv_blocks=32,
                     max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False)
 MOE = dict(moe_split_experts=4, enable_expert_parallel=True)
-CONFIGS = {"dense, none": dict(prefill_policy="none"),
-           "dense, delayer": dict(prefill_policy="delayer"),
-           "EP, none": dict(prefill_policy="none", **MOE),
-           "EP, delayer": dict(prefill_policy="delayer", **MOE)}
+# configuration name (MODEL-POLICY: one shell word each, for --configs) -> its options
+CONFIGS = {"dense-none": dict(prefill_policy="none"),
+           "dense-delayer": dict(prefill_policy="delayer"),
+           "ep-none": dict(prefill_policy="none", **MOE),
+           "ep-delayer": dict(prefill_policy="delayer", **MOE)}
 METRICS = (("wall time (s)", lambda r: r["elapsed_s"]),
            ("mean TTFT (ms)", lambda r: r["ttft_ms"]["mean"]),
            ("mean TPOT (ms)", lambda r: r["tpot_ms"]["mean"]))
@@ -61,7 +62,9 @@ VARIANTS = {"model": ({}, ()), "no slowest-rank rule": ({"slowest_rank": False},
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="the configurations to measure: model (dense, or ep: model (a) with "
+                        "its experts over the ranks) and prefill policy")
     p.add_argument("--runs", type=int, default=3, help="real runs per configuration")
     p.add_argument("--calibrate", action="store_true",
                    help="calibrate this machine (each model just before its real runs) instead "
@@ -105,7 +108,7 @@ def measure(name: str, args: argparse.Namespace, profile) -> dict:
         print(f"{name}: real run {i + 1} of {args.runs} ...", file=sys.stderr, flush=True)
         trace = None
         if args.trace_dir:
-            trace = str(pathlib.Path(args.trace_dir) / name.replace(", ", "-") / f"run{i + 1}")
+            trace = str(pathlib.Path(args.trace_dir) / name / f"run{i + 1}")
         real.append(run_real(requests, dataclasses.replace(config, dp_trace=trace), name=name))
         probes.append(machine_speed(config, profile))
     # each run's speed: the mean of the probes just before and just after it
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     chosen, results = {}, []
     for name in args.configs:
-        model = "EP" if "EP" in name else "dense"
+        model = "EP" if name.startswith("ep-") else "dense"
         if model not in chosen:
             chosen[model] = profile_for(model, args)
         results.append(measure(name, args, chosen[model]))

@@ -52,21 +52,26 @@ def one_rank_greedy(folder, prompts: list[list[int]]) -> list[GreedyResult]:
 
 
 def run_on_two_ep_ranks(folder, prompts: list[list[int]], *, enable_tbo: bool, name: str,
-                        reference: list[GreedyResult], **options) -> list[dict]:
+                        reference: list[GreedyResult], one_at_a_time: bool = False,
+                        **options) -> list[dict]:
     """``prompts`` greedy on two expert-parallel DP ranks of the model in ``folder`` (engine
     ``options`` added): all on rank 0 first (rank 1 steps dummy batches through every MoE
-    collective), then spread; each run's tokens and logprobs checked against ``reference``
-    (tie-aware), and both ranks checked to have issued the same collectives. Returns every
-    rank's stats once idle."""
+    collective), then spread, and with ``one_at_a_time`` each prompt alone on rank 0 too (with
+    TBO its prefill splits at the token midpoint); each run's tokens and logprobs checked
+    against ``reference`` (tie-aware), and both ranks checked to have issued the same
+    collectives. Returns every rank's stats once idle."""
     from tests.utils import check_greedy_close, ours_greedy
 
     requests = [{"prompt_token_ids": p} for p in prompts]
     with LLM(str(folder), **{**OPTIONS, "max_model_len": 256, **options}, skip_tokenizer_init=True,
              data_parallel_size=2, enable_expert_parallel=True, enable_tbo=enable_tbo) as llm:
-        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
-        spread = ours_greedy(llm.generate(requests, PARAMS))
+        runs = {"rank 1 idle": ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0)),
+                "both ranks": ours_greedy(llm.generate(requests, PARAMS))}
+        if one_at_a_time:
+            runs["one at a time"] = ours_greedy([llm.generate(r, PARAMS, data_parallel_rank=0)[0]
+                                                 for r in requests])
         stats = idle_rank_stats(llm)
-    for label, ours in (("rank 1 idle", pinned), ("both ranks", spread)):
+    for label, ours in runs.items():
         check_greedy_close(ours, reference, name=f"{name}, EP, {label}, tbo={enable_tbo}")
         assert_logprobs_close(ours, reference)
     assert len(stats) == 2  # no rank failed (a recovery would resume on fewer)

@@ -136,10 +136,11 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
-                    session_id: str | None = None) -> None:
-        """Send a request. ``data_parallel_rank`` pins the DP rank, ``session_id`` names the
-        conversation it belongs to (DP routing; both ignored with one rank; the session id
-        never reaches the core).
+                    session_id: str | None = None) -> int:
+        """Send a request; returns the DP rank it went to (0 with one rank).
+        ``data_parallel_rank`` pins the DP rank, ``session_id`` names the conversation it
+        belongs to (DP routing; both ignored with one rank; the session id never reaches the
+        core).
 
         Raises:
             ValueError: (DP) a bad rank hint, or a request id already running.
@@ -236,9 +237,10 @@ class InprocClient(EngineCoreClient):
         self.runtime = core.runtime
 
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None) -> int:
         encode(request)  # the same check as the socket path: a value msgpack cannot hold raises
         self.core.add_request(request)
+        return 0
 
     def abort(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
@@ -350,8 +352,9 @@ class MPClient(EngineCoreClient):
     # ----- requests (one rank: everything goes to core 0; the DP client routes) -----
 
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None, *,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None) -> int:
         self._send(0, request)
+        return 0
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -107,6 +107,7 @@ class LLMEngine:
         from atom.worker.model_files import load_tokenizer
 
         check_model_files(config)  # before the tokenizer and any process
+
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         # The core has no tokenizer: the tokenizer's EOS id travels to it from here.
@@ -185,8 +186,12 @@ class LLMEngine:
         request = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival,
                                     arrival_tick=arrival_tick, kv_transfer_params=kv_transfer_params)
         try:
-            self.client.add_request(request, data_parallel_rank=data_parallel_rank,
-                                    session_id=session_id)
+            rank = self.client.add_request(request, data_parallel_rank=data_parallel_rank,
+                                           session_id=session_id)
+            self.output_processor.set_dp_rank(request_id, rank)
+        except ValueError:  # a rank hint outside the group: nothing was sent, nothing is kept
+            self.output_processor.fail_request(request_id, "not sent")
+            raise
         except RankFailedError as error:
             self._recover(error)  # the request is sent with the other unfinished ones
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # not msgpack-able
@@ -276,8 +281,9 @@ class LLMEngine:
         self._pending += failed
         self.num_unresumed_requests += len(failed)
         for r in resumable:
-            self.client.add_request(EngineCoreRequest(
+            rank = self.client.add_request(EngineCoreRequest(
                 r.request_id, r.prompt_token_ids, r.params, r.arrival_time_s, resumed=r.choices))
+            self.output_processor.set_dp_rank(r.request_id, rank)
         self.num_resumed_requests += len(resumable)
         logger.warning("after the rank failure (%s): %d request(s) resumed, %d failed",
                        error, len(resumable), len(failed))

@@ -128,6 +128,13 @@ class OutputProcessor:
         self._requests[request_id] = state
         return None
 
+    def set_dp_rank(self, request_id: str, dp_rank: int) -> None:
+        """The DP rank the request was sent to (its outputs' ``metrics.dp_rank``); unknown
+        ids are ignored."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.metrics.dp_rank = dp_rank
+
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None

@@ -5,8 +5,10 @@ engine-core process starts.
 so a folder the cores could not load fails in the user's process, at once and in one line
 (``atom generate: error: ...``, exit code 2), instead of seconds later in every rank. What only
 an engine core can find (weights that do not fit the model, a KV pool that does not fit in
-memory, expert parallelism over a dense model) comes back from the core as
-:class:`~atom.engine.liveness.EngineStartError`.
+memory) comes back from the core as :class:`~atom.engine.liveness.EngineStartError`. The
+expert options are checked here against what ``config.json`` says of the experts
+(:meth:`atom.config.EngineConfig.check_expert_layout`: expert parallelism over a dense model,
+fewer experts than ranks, EPLB's redundant slots).
 
 Every check reads headers only: ``config.json``, the safetensors headers (names, dtypes,
 shapes; no tensor data), a GGUF file's magic number and metadata. The embedded model is atom's own
@@ -46,18 +48,39 @@ def check_model_files(config: EngineConfig) -> None:
     without ``quantization_config`` (or with a quant method that family dequantizes at load:
     gpt-oss's MXFP4), its ``*.safetensors`` headers are readable and hold float tensors only
     (and that method's uint8 tensors); the folder has tokenizer files (unless
-    ``skip_tokenizer_init``).
+    ``skip_tokenizer_init``); the expert options fit the model's experts (a GGUF file and the
+    embedded model are dense Llamas).
 
     Raises:
         FileNotFoundError: the path does not exist, or a folder has no ``*.safetensors``.
         ValueError: anything else above; the message names the file and what to change.
     """
+    _check_expert_options(config)
     if config.model is not None:
         path = _check_weights(config.model)
         if path.is_dir() and not config.skip_tokenizer_init:
             _check_tokenizer_files(path)
     if config.draft_model is not None:
         _check_weights(config.draft_model)
+
+
+def _check_expert_options(config: EngineConfig) -> None:
+    """The expert options against the experts ``config.json`` gives, first and torch-free (so
+    a wrong flag fails in well under 2 s; :meth:`EngineConfig.check_expert_layout`). A path
+    that is no folder with a ``config.json`` is left to :func:`_check_weights`."""
+    if not config.enable_expert_parallel and config.moe_split_experts is None:
+        return
+    from atom.models import num_routed_experts
+
+    if config.model is None:  # the embedded SmolLM2: a dense Llama
+        config.check_expert_layout(None, model="the embedded model")
+        return
+    path = pathlib.Path(config.model).expanduser()
+    if path.is_file():  # a GGUF file: atom reads Llama ones only
+        config.check_expert_layout(None, model=str(path))
+    elif (path / "config.json").is_file():
+        hf_config = _read_config_json(path / "config.json")
+        config.check_expert_layout(num_routed_experts(hf_config), model=str(path))
 
 
 def _check_weights(model: str) -> pathlib.Path:
@@ -98,8 +121,7 @@ def _check_weights(model: str) -> pathlib.Path:
 def _check_architecture(hf_config: dict, file: pathlib.Path) -> str:
     """``config.json``'s architecture; raises with one line naming the supported ones
     (:mod:`atom.models`' registry, torch-free) unless it is one of them."""
-    from atom.models import check_architecture
-    from atom.worker.model_files import hf_architecture
+    from atom.models import check_architecture, hf_architecture
 
     architecture = hf_architecture(hf_config) or str(hf_config.get("model_type"))
     check_architecture(architecture, source=str(file))

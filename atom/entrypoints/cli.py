@@ -3,7 +3,7 @@
 - ``atom generate --prompt TEXT [--prompt TEXT ...]``: one prompt streams its completion as it
   is generated (Ctrl-C stops it, keeping what was printed); several run as one batch and print
   in order, each under a ``[i/N]`` label (``--chat`` wraps each prompt as a user message
-  through the chat template). ``--prompt-token-ids 1,2,3`` (or a JSON file of ids) gives
+  through the chat template, sampled as ``atom chat`` samples). ``--prompt-token-ids 1,2,3`` (or a JSON file of ids) gives
   prompts as token ids instead; with ``--skip-tokenizer-init`` (a model folder without
   tokenizer files) the outputs print as token ids too.
 - ``atom chat``: interactive; each line you type is a user turn, the reply streams as it is
@@ -52,25 +52,39 @@ CHAT_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, *, chat: bool = False) -> None:
+    """The sampling flags; ``--temperature`` / ``--top-p`` left unset come from the model's
+    recommendation (else :data:`CHAT_SAMPLING_DEFAULTS`) in chat (``atom chat``, ``atom
+    generate --chat``), else from SamplingParams' defaults."""
     defaults = SamplingParams()
     parser.add_argument("--max-tokens", type=int, default=_DEFAULT_MAX_TOKENS,
                         help="output tokens per reply at most")
-    source = "the model's recommendation, else " if chat else ""
-    temperature = CHAT_SAMPLING_DEFAULTS["temperature"] if chat else defaults.temperature
-    top_p = CHAT_SAMPLING_DEFAULTS["top_p"] if chat else defaults.top_p
-    parser.add_argument("--temperature", type=float, default=None if chat else temperature,
-                        help=f"0 = greedy (default: {source}{temperature})")
-    parser.add_argument("--top-p", type=float, default=None if chat else top_p,
+    recommended = {k: f"the model's recommendation, else {v}"
+                   for k, v in CHAT_SAMPLING_DEFAULTS.items()}
+    if chat:
+        temperature, top_p = recommended["temperature"], recommended["top_p"]
+    else:
+        temperature = f"{defaults.temperature}; with --chat, {recommended['temperature']}"
+        top_p = f"{defaults.top_p}; with --chat, {recommended['top_p']}"
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"0 = greedy (default: {temperature})")
+    parser.add_argument("--top-p", type=float, default=None,
                         help=f"nucleus sampling: keep the most likely tokens up to this "
-                             f"probability mass, in (0, 1] (default: {source}{top_p})")
+                             f"probability mass, in (0, 1] (default: {top_p})")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
     add_engine_args(parser)
 
 
-def _sampling_params(args: argparse.Namespace, defaults: dict | None = None) -> SamplingParams:
-    """The request's sampling from the flags; unset ones (chat) from ``defaults``."""
-    defaults = defaults or {}
+def request_sampling(args: argparse.Namespace, *, chat: bool) -> SamplingParams:
+    """The request's sampling from the flags of ``generate`` / ``chat``; in ``chat``, the ones
+    left unset from what the model recommends (:func:`_chat_sampling_defaults`), else from
+    SamplingParams' defaults.
+
+    Raises:
+        FileNotFoundError: (chat) the model cannot be found.
+        ValueError: a value SamplingParams refuses.
+    """
+    defaults = _chat_sampling_defaults(args.model) if chat else {}
     chosen = {k: getattr(args, k) for k in ("temperature", "top_p") if getattr(args, k) is not None}
     return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                           **{**defaults, **chosen})
@@ -134,8 +148,8 @@ def _print_dp_summary(llm) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)
     prompts = _prompts(args)
+    params = request_sampling(args, chat=args.chat)
     llm = _make_llm(args)
     rc = _generate(llm, args, prompts, params)
     _print_dp_summary(llm)  # errors propagate without it: they are the last line
@@ -186,7 +200,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = None
     try:
-        params = _sampling_params(args, _chat_sampling_defaults(args.model))
+        params = request_sampling(args, chat=True)
         llm = _make_llm(args)
         conversation = [{"role": "system", "content": args.system}] if args.system else []
         prompt = "> " if sys.stdin.isatty() else ""

@@ -55,14 +55,6 @@ def gguf_field(reader, key: str, default=None):
 
 
 
-def hf_architecture(config: dict) -> str:
-    """``architectures[0]`` of a parsed ``config.json`` (old Llama configs name only their
-    ``model_type``); "" when it names none."""
-    archs = config.get("architectures") or (
-        ["LlamaForCausalLM"] if config.get("model_type") == "llama" else [])
-    return archs[0] if archs else ""
-
-
 #: llama.cpp's GGUF keys for a model's recommended sampling, and generation_config.json's
 _GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                        "general.sampling.top_k": "top_k"}
@@ -78,6 +70,8 @@ def recommended_sampling(model: str | os.PathLike | None) -> dict[str, float | i
     Raises:
         FileNotFoundError: the model cannot be found (see :func:`resolve_model_path`).
     """
+    if model is None:  # the embedded GGUF (sha256-pinned) carries none: skip a 2-4 s read
+        return {}
     path = resolve_model_path(model)
     if path.is_dir():
         gen = path / "generation_config.json"

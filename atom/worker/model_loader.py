@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from atom.models import check_architecture, get_model_class
+from atom.models import check_architecture, get_model_class, hf_architecture
 from atom.worker.checkpoint import Checkpoint
 from atom.worker.embedded_model import cache_dir
-from atom.worker.model_files import file_cache_key, gguf_field, hf_architecture, resolve_model_path
+from atom.worker.model_files import file_cache_key, gguf_field, resolve_model_path
 
 logger = logging.getLogger(__name__)
 

@@ -146,19 +146,21 @@ def overload_note(result: dict) -> str | None:
     """A note when the run was overloaded, else None.
 
     Overloaded: the wait for a first token grew by more than :data:`OVERLOAD_TTFT_GROWTH`
-    seconds per second of arrivals (the slope of TTFT over arrival time). A queue fed at rate
-    a and served at rate s grows its wait by a / s - 1 seconds a second, so the slope also
-    estimates how much faster requests came than the deployment served them; the latencies
-    of such a run measure its queue and grow with the run's length.
+    seconds per second of arrivals (the slope of TTFT over arrival time, kept in the result as
+    ``ttft_growth_s_per_s``); the latencies of such a run measure its queue and grow with the
+    run's length. How much faster requests came than the deployment served them is said with
+    one figure, the arrival rate over the served rate (:func:`rate_metrics`: the two rates
+    :func:`run_header` prints).
     """
     growth = result.get("ttft_growth_s_per_s")
     if growth is None or growth <= OVERLOAD_TTFT_GROWTH:
         return None
-    rate = result.get("arrival_rate_per_s")
-    arrived = f"requests arrived at {rate:.2f}/s, " if rate else "requests arrived "
-    return (f"overloaded: {arrived}about {1 + growth:.1f}x as fast as this deployment served "
-            f"them (the wait for a first token grew {growth:.2f} s per second of arrivals); "
-            f"the latencies measure the queue and grow with the run's length")
+    rate, served = result.get("arrival_rate_per_s"), result.get("served_rate_per_s")
+    pace = (f"{rate / served:.1f}x as fast as this deployment served them ({rate:.2f}/s "
+            f"against {served:.2f}/s)" if rate and served else
+            "faster than this deployment served them")
+    return (f"overloaded: requests arrived {pace}: the latencies measure the queue and grow "
+            f"with the run's length")
 
 
 def format_ms(value_ms: float) -> str:

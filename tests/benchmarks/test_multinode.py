@@ -14,7 +14,7 @@ import pytest
 from atom.entrypoints.cli import main as atom_main
 from atom.benchmarks.multinode.cluster import ClusterSpec, NodeSpec
 from atom.benchmarks.multinode.deploy import node_commands
-from atom.benchmarks.multinode.rank_stats import per_rank
+from atom.benchmarks.multinode.rank_stats import group_series, per_rank
 from atom.benchmarks.multinode.report import compare, write_report
 from atom.entrypoints.openai.metrics import ServerMetrics
 
@@ -101,17 +101,18 @@ def _rank(dp_rank: int, steps: int) -> dict:
             "prefix_cache_hits": 16, "prefill_policy_decisions_hold": 3}
 
 
-def test_per_rank_reads_the_servers_metrics_rendering():
+def test_per_rank_and_group_series_read_the_servers_metrics_rendering():
     text = ServerMetrics("m").render([_rank(0, 40), _rank(1, 40)]).decode()
     ranks = per_rank(text)
     assert list(ranks) == [0, 1]
-    assert ranks[1]["dp_steps"] == 40 and ranks[1]["dp_dummy_steps"] == 1
-    assert ranks[0]["dp_ticks"] == 43 and ranks[0]["num_kv_blocks_used"] == 8
+    assert ranks[1]["dp_dummy_steps"] == 1 and ranks[0]["num_kv_blocks_used"] == 8
     assert ranks[0]["num_kv_blocks_total"] == 128  # a gauge: its name stays whole
     assert ranks[0]["kv_cache_usage_perc"] == pytest.approx(8 / 128)
-    assert ranks[0]["prefill_policy_decisions.hold"] == 3
-    one_rank = per_rank(ServerMetrics("m").render([{"num_total_blocks": 8}]).decode())
-    assert "dp_steps" not in one_rank[0]  # the DP loop's series only on DP ranks
+    group = group_series(text)  # the group's values once, not on every rank
+    assert "dp_steps" not in ranks[0] and group["dp_steps"] == 40 and group["dp_ticks"] == 43
+    assert group["prefill_policy_decisions.hold"] == 3
+    one_rank = ServerMetrics("m").render([{"num_total_blocks": 8}]).decode()
+    assert "dp_steps" not in group_series(one_rank)  # the DP loop's series only on DP ranks
 
 
 def _summary(name: str, nnodes: int, nproc: int, scale: float) -> dict:
@@ -125,7 +126,8 @@ def _summary(name: str, nnodes: int, nproc: int, scale: float) -> dict:
             "workload": "`--num-prompts 8`", "bench": bench,
             "nodes": [{"node_rank": r, "address": f"10.0.0.{10 + r}", "exit_code": 143}
                       for r in range(nnodes)],
-            "ranks": {"0": {"dp_steps": 40.0, "num_kv_blocks_total": 128.0}},
+            "ranks": {"0": {"dp_dummy_steps": 2.0, "num_kv_blocks_total": 128.0}},
+            "group": {"dp_steps": 40.0, "dp_prefill_steps": 6.0},
             "leftovers": {}, "num_failed_samples": 0}
 
 
@@ -142,7 +144,8 @@ def test_report_and_compare(tmp_path):
     assert "2 node(s) × 1 rank(s) (world size 2), method `netns`" in text
     assert "| 1 | 10.0.0.11 | 143 |" in text  # every node's launcher exit code
     assert "| output tok/s | 40.00 |" in text and "| TTFT | 125 | 125 | 125 | 125 |" in text
-    assert "| 0 | 40 | — | — | — | — | — | 128 |" in text  # per rank; — where not exported
+    assert "| 0 | 2 | — | — | 128 | — | — |" in text  # per rank; — where not exported
+    assert "| 40 | 6 | — | — |" in text  # the group's steps, once
     table = compare(tmp_path / "1x2", tmp_path / "2x1", output_dir=tmp_path / "cmp")
     assert "A = 1x2 (1×2), B = 2x1 (2×1)" in table
     assert "| output tok/s | 50 | 40 | 0.800 |" in table

@@ -65,6 +65,39 @@ def test_replaced_flags_say_what_to_use(flag, replacement, capsys):
         EngineConfig.from_kwargs(data_parallel_size=2, prefill_delayer=False)
 
 
+@pytest.mark.parametrize("argv, kwargs, hint", [
+    (["-dp", "2"], None, "-dp is vLLM's option: atom spells it --data-parallel-size N"),
+    (["-tp", "2"], None, "-tp is vLLM's option: atom has no tensor parallelism: scale with "
+                         "--data-parallel-size N"),
+    (["--tensor-parallel-size", "2"], dict(tensor_parallel_size=2),
+     "atom has no tensor parallelism: scale with --data-parallel-size N"),
+    (["--num-redundant-experts", "2"], dict(num_redundant_experts=2),
+     "atom spells it --eplb-num-redundant-experts N (eplb_num_redundant_experts)"),
+    (["--eplb-config", '{"window_size": 100}'], dict(eplb_config={"window_size": 100}),
+     "--eplb-window-size, --eplb-step-interval, --eplb-num-redundant-experts"),
+    (["--enable-dbo"], dict(enable_dbo=True), "atom's two-batch overlap is --enable-tbo"),
+])
+def test_vllm_spellings_name_the_atom_option(argv, kwargs, hint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(["--data-parallel-size", "2", *argv])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (atom's parsers: one line)
+    assert f"error: {argv[0]} is vLLM's option: " in last and hint in last
+    if kwargs is not None:  # LLM(...) keywords: the same hint
+        with pytest.raises(TypeError, match="is vLLM's option: ") as info:
+            EngineConfig.from_kwargs(**kwargs)
+        assert hint in str(info.value)
+
+
+def test_tbo_needs_data_and_expert_parallelism():
+    with pytest.raises(ValueError, match="enable_tbo=True needs data parallelism"):
+        EngineConfig(enable_tbo=True)
+    with pytest.raises(ValueError, match=r"set enable_expert_parallel \(--enable-expert-parallel\)"):
+        EngineConfig(data_parallel_size=2, enable_tbo=True)
+    on = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_tbo=True)
+    assert on.enable_tbo and not on.with_data_parallel_size(1).enable_tbo  # a shrink drops it
+
+
 def test_routing_and_kv_events_flags():
     config = _parse(["--data-parallel-size", "2", "--dp-load-balance", "cache_aware",
                      "--dp-load-guard-abs-threshold", "4", "--dp-load-guard-rel-threshold", "2",

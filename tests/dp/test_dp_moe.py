@@ -44,5 +44,5 @@ def test_tiny_mixtral_experts_over_two_ranks_match_transformers(tmp_path, enable
     model = build_tiny_mixtral(tmp_path)
     prompts = tiny_prompts()
     stats = run_on_two_ep_ranks(tmp_path, prompts, enable_tbo=enable_tbo, name="tiny mixtral",
-                                reference=hf_greedy(model, prompts, 12))
+                                reference=hf_greedy(model, prompts, 12), one_at_a_time=enable_tbo)
     assert (stats[0]["num_tbo_steps"] > 0) == enable_tbo

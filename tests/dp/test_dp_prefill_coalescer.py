@@ -38,6 +38,7 @@ def coalescer(**settings) -> PrefillDecider:
     tbo = options.pop("enable_tbo", False)
     config = EngineConfig(data_parallel_size=2, prefill_policy="coalescer",
                           max_num_batched_tokens=BUDGET, enable_tbo=tbo,
+                          enable_expert_parallel=tbo,
                           **{f"prefill_coalescer_{k}": v for k, v in options.items()})
     return PrefillDecider(PrefillCoalescer(config), log_every_n_decisions=None)
 

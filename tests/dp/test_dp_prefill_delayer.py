@@ -36,7 +36,7 @@ def delayer(*, max_delay_passes: int = 30, kv_low_watermark: float | None = None
     config = EngineConfig(data_parallel_size=2, prefill_policy="delayer",
                           prefill_delayer_max_delay_passes=max_delay_passes,
                           prefill_delayer_kv_low_watermark=kv_low_watermark,
-                          enable_tbo=tbo_enabled)
+                          enable_tbo=tbo_enabled, enable_expert_parallel=tbo_enabled)
     return PrefillDecider(PrefillDelayer(config), dp_rank=dp_rank,
                           log_every_n_decisions=log_every_n_decisions)
 

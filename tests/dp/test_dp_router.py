@@ -77,9 +77,10 @@ def test_duplicate_id_and_bad_policy():
 SETTINGS = CacheAwareSettings(min_match_ratio=0.5, guard=LoadGuard(abs_threshold=2, rel_threshold=1.5))
 
 
-def choose(loads, matches, *, num_blocks=10, session_rank=None, rotation=0, settings=SETTINGS):
+def choose(loads, matches, *, num_blocks=10, session_rank=None, rotation=0, settings=SETTINGS,
+           new_session=False):
     return cache_aware_choice(loads, matches, num_blocks=num_blocks, session_rank=session_rank,
-                              settings=settings, rotation=rotation)
+                              settings=settings, rotation=rotation, new_session=new_session)
 
 
 def test_least_loaded_ties_prefer_the_session_then_rotate():
@@ -139,6 +140,14 @@ def test_no_hit_no_session_is_least_load():
 def test_guard_falls_back_from_a_cache_hit_and_from_a_session():
     assert choose([6, 2], {0: 9}) == (1, GUARD_FALLBACK)
     assert choose([6, 2], {}, session_rank=0) == (1, GUARD_FALLBACK)
+
+
+def test_a_new_session_goes_to_the_least_loaded_rank_a_hit_breaks_ties():
+    assert choose([1, 0], {0: 9}, new_session=True) == (1, LEAST_LOAD)  # within the guard
+    assert choose([0, 0], {0: 9}, new_session=True, rotation=1) == (0, LEAST_LOAD)  # the hit
+    assert choose([0, 0, 0], {0: 6, 2: 9}, new_session=True) == (2, LEAST_LOAD)  # the longest
+    assert choose([0, 0], {0: 4}, new_session=True, rotation=1) == (1, LEAST_LOAD)  # no hit
+    assert choose([1, 0], {0: 9}) == (0, CACHE_HIT)  # no session id: the hit, as before
 
 
 def test_guard_fallback_ties_keep_the_session_rank():
@@ -219,6 +228,31 @@ def test_guard_sends_no_affinity_request_to_a_rank_with_3x_the_load():
              r.dispatch("c2", block_hashes=hashes), r.dispatch("c3", session_id="t")]
     assert ranks == [1, 1, 1, 1]
     assert r.rank_stats()[1]["dp_router_decisions_guard_fallback"] == 4
+
+
+def test_sessions_sharing_a_system_prompt_cached_on_one_rank_split_evenly():
+    """6 sessions x 3 turns at DP 2, every turn's 6 requests at once, the system prompt cached
+    on rank 0 first: new sessions split 3 / 3 (not 4 / 2, the guard's limit), later turns stay
+    on their session's rank (the longest prefix: the system prompt and their own history)."""
+    index = KVCacheIndex([0, 1])
+    system = list(range(1000, 1040))  # 10 blocks, most of a first turn
+    cache(index, 0, system)
+    r = cache_aware_router(index=index)
+    history = {s: list(system) for s in range(6)}
+    sent: list[list[int]] = []
+    for turn in range(3):
+        prompts = {s: history[s] + [2000 + 10 * s + turn] * BLOCK for s in range(6)}
+        sent.append([r.dispatch(f"{turn}-{s}", session_id=f"s{s}",
+                                block_hashes=wire_block_hashes(prompts[s], BLOCK))
+                     for s in range(6)])
+        for s in range(6):
+            r.release(f"{turn}-{s}")
+            cache(index, sent[turn][s], prompts[s])  # the turn's KV stays on its rank
+            history[s] = prompts[s]
+    assert sorted(sent[0]) == [0, 0, 0, 1, 1, 1]
+    assert sent[1] == sent[2] == sent[0]  # every session stays on its rank
+    decisions = r.rank_stats()
+    assert sum(d["dp_router_decisions_cache_hit"] for d in decisions) == 12
 
 
 def test_sessions_are_forgotten_least_recently_used_first(monkeypatch):

@@ -15,8 +15,14 @@ def _stats(rank: int, **extra) -> dict:
             "prefill_policy_max_consecutive_holds": 3, **extra}
 
 
-def test_one_rank_has_nothing_to_say():
+def test_one_rank_has_nothing_to_say_unless_rank_failures_shrank_the_group():
     assert dp_summary_line([_stats(0)], config=EngineConfig(), num_experts=None) is None
+    shrunk = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_tbo=True,
+                          prefill_policy="coalescer").with_data_parallel_size(1)
+    line = dp_summary_line([_stats(0)], config=shrunk, num_experts=4, started_dp_size=2)
+    assert line == ("atom: DP 1 (2 at start: rank failures shrank the group; counters since), "
+                    "EP 4 experts (4 a rank), TBO off; per rank: requests 4, steps 10, dummy 0, "
+                    "TBO 2; prefill policy none: 0 holds (hold rate 0.40, longest 3 ticks)")
 
 
 def test_expert_layout_counters_and_every_kind_of_hold():

@@ -155,3 +155,26 @@ def test_script_writes_perfetto_json_and_png(trace_dir, tmp_path):
     assert "decisions (delayer): " in proc.stdout
     validate_trace_events(json.loads(out_json.read_text()))
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_png_is_titled_by_the_folder_and_has_a_seconds_axis(trace_dir):
+    """The title names the folder, not the absolute path; the top axis maps ticks to seconds
+    since the first tick (dp0's rows), both ways, past the rows too."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("dp_trace_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    traces = read_trace(trace_dir)
+    assert script.default_title(str(trace_dir.resolve()), traces) == \
+        f"{trace_dir.name} (policy delayer)"
+    rows = traces[0].rows
+    forward, inverse = script.tick_to_seconds(rows)
+    ticks = np.array([row["tick"] for row in rows], dtype=float)
+    seconds = [(row["start_us"] - rows[0]["start_us"]) / 1e6 for row in rows]
+    np.testing.assert_allclose(forward(ticks), seconds, atol=1e-6)
+    wide = np.linspace(ticks[0] - 5, ticks[-1] + 5, 50)
+    assert np.all(np.diff(forward(wide)) > 0)  # monotonic, also outside the rows
+    np.testing.assert_allclose(inverse(forward(wide)), wide, atol=1e-6)

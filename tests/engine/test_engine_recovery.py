@@ -35,6 +35,7 @@ class ScriptedClient(EngineCoreClient):
 
     def add_request(self, request, data_parallel_rank=None, *, session_id=None):
         self.sent.append(request)
+        return 0
 
     def abort(self, request_ids):
         pass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import psutil
@@ -113,3 +115,67 @@ def test_the_engine_checks_before_any_process_starts(copy):
 
 def _no_client(config, extra_eos):
     raise AssertionError("the pre-flight must fail before the client is built")
+
+
+def _as_moe(folder, architecture: str, **keys) -> None:
+    """Make ``folder``'s config.json describe an MoE of ``architecture`` (the pre-flight reads
+    config.json and the safetensors headers: the tensors' names do not matter here)."""
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=[architecture], num_experts_per_tok=2, **keys)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+EP2 = dict(data_parallel_size=2, enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("architecture, keys, options, message", [
+    # what config.json tells of the experts, checked against the options (issue 54)
+    ("LlamaForCausalLM", {}, EP2, "--enable-expert-parallel needs an MoE model and {folder} is "
+                                  "dense: load an MoE"),
+    ("Qwen3MoeForCausalLM", dict(num_experts=8, moe_intermediate_size=32),
+     dict(EP2, data_parallel_size=16), "8 experts cannot be sharded over 16 ranks"),
+    ("DeepseekV3ForCausalLM", dict(n_routed_experts=4), dict(EP2, data_parallel_size=8),
+     "4 experts cannot be sharded over 8 ranks"),  # DeepSeek's
+    ("MixtralForCausalLM", dict(num_local_experts=8), dict(moe_split_experts=4),
+     "--moe-split-experts splits a dense model's MLPs into experts, but {folder} is an MoE (8 "
+     "experts a layer): drop --moe-split-experts"),
+    ("MixtralForCausalLM", dict(num_local_experts=8), dict(EP2, data_parallel_size=16),
+     "8 experts cannot be sharded over 16 ranks (each rank needs one): use "
+     "--data-parallel-size 8 or fewer"),
+    ("MixtralForCausalLM", dict(num_local_experts=8),
+     dict(EP2, data_parallel_size=3, enable_eplb=True, eplb_num_redundant_experts=2),
+     "EPLB: 8 experts + 2 redundant slots = 10 slots a layer, not a multiple of the 3 ranks: set "
+     "--eplb-num-redundant-experts to 1 plus a multiple of 3"),
+    ("MixtralForCausalLM", dict(num_local_experts=8),
+     dict(EP2, enable_eplb=True, eplb_num_redundant_experts=10),
+     "EPLB: 10 redundant slots over 2 ranks give each rank 9 slots for 8 experts (a rank would "
+     "hold two copies of one): use at most 8 (--eplb-num-redundant-experts)"),
+])
+def test_expert_options_against_config_json(copy, architecture, keys, options, message):
+    _as_moe(copy, architecture, **keys)
+    with pytest.raises(ValueError) as info:
+        _check(copy, **options)
+    assert str(info.value).startswith(message.format(folder=copy)), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_the_expert_check_comes_first_and_imports_no_torch(copy):
+    _as_moe(copy, "MixtralForCausalLM", num_local_experts=8)
+    code = (f"import sys; from atom.config import EngineConfig; "
+            f"from atom.engine.llm_engine import LLMEngine\n"
+            f"try: LLMEngine(EngineConfig(model={str(copy)!r}, moe_split_experts=4))\n"
+            f"except ValueError as exc: print(exc)\n"
+            f"assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("--moe-split-experts splits a dense model's MLPs")
+
+
+def test_expert_options_that_fit_pass(copy):
+    _as_moe(copy, "MixtralForCausalLM", num_local_experts=8)
+    _check(copy, **EP2, enable_eplb=True, eplb_num_redundant_experts=8)  # 8 slots a rank
+    _check(copy, data_parallel_size=2)  # an MoE without expert parallelism
+    with pytest.raises(ValueError, match="the embedded model is dense"):
+        check_model_files(EngineConfig(**EP2))
+    check_model_files(EngineConfig(**EP2, moe_split_experts=4))  # model (a)

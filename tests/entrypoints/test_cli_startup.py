@@ -15,7 +15,7 @@ import sys
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from atom.entrypoints.cli import build_parser, main
+from atom.entrypoints.cli import build_parser, main, request_sampling
 from atom.launch.launcher import build_parser as build_launch_parser
 from tests.utils import TINY_VOCAB_SIZE, save_tiny_llama
 
@@ -73,6 +73,15 @@ def test_what_only_the_core_finds_comes_back_in_one_line(tmp_path):
     # the traceback under --log-level DEBUG: tests/engine/test_engine_core.py
 
 
+def test_expert_options_a_dense_config_cannot_take_fail_before_any_process(no_tokenizer, capsys):
+    argv = ["generate", "--model", str(no_tokenizer), "--skip-tokenizer-init",
+            "--prompt-token-ids", "1,2", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    code, err = _main(argv, capsys)  # in this process: nothing started, nothing loaded
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"atom generate: error: --enable-expert-parallel needs an MoE model "
+                          f"and {no_tokenizer} is dense: ")
+
+
 def test_no_tokenizer_names_the_folder_and_the_fix(no_tokenizer, capsys):
     code, err = _main(["generate", "--model", str(no_tokenizer), "--prompt", "w5"], capsys)
     assert code == 2 and err.count("\n") == 1, err
@@ -107,6 +116,7 @@ def test_token_id_prompts_from_the_command_line_and_a_file(no_tokenizer, tmp_pat
     (["generate", "--chat", "--prompt-token-ids", "1,2"], "--chat wraps text"),
     (["launch", "--nproc-per-node", "two", "generate"],
      "argument --nproc-per-node/--nproc_per_node: invalid int value: 'two'"),
+    (["serve", "-dp", "2"], "-dp is vLLM's option: atom spells it --data-parallel-size N"),
 ])
 def test_usage_errors_are_one_line(argv, message, capsys):
     code, err = _main(argv, capsys)
@@ -134,3 +144,16 @@ def test_help_shows_plain_text_and_each_default_once():
         assert "`" not in text and ":class:" not in text, text
         flat = " ".join(text.split())
         assert not re.search(r"\(default: [^)]*\) \(default:", flat), flat
+
+
+def test_generate_chat_samples_as_atom_chat():
+    """The README's ``atom generate --chat ... --seed 1``: the model's recommendation (the
+    embedded GGUF has none: chat's 0.2 / 0.9), not SamplingParams' 1.0, unless the flags say."""
+    parser = build_parser()
+    chat = parser.parse_args(["generate", "--chat", "--prompt", "Hi", "--seed", "1"])
+    assert (request_sampling(chat, chat=chat.chat).temperature,
+            request_sampling(chat, chat=chat.chat).top_p) == (0.2, 0.9)
+    plain = parser.parse_args(["generate", "--prompt", "Hi"])
+    assert request_sampling(plain, chat=plain.chat).temperature == 1.0
+    chosen = parser.parse_args(["generate", "--chat", "--prompt", "Hi", "--temperature", "0.7"])
+    assert request_sampling(chosen, chat=chosen.chat).temperature == 0.7

@@ -1,9 +1,11 @@
-"""ServerMetrics renders the prefill policy's counters from hand-made per-rank stats (no server,
-no engine): one series per rank and reason, summing to the decisions, and the delayer's series
-also under the names that predate the other policies."""
+"""ServerMetrics renders hand-made per-rank stats and finished requests (no server, no engine):
+the group's values (steps, the prefill policy's decisions per reason, EPLB's windows) once and
+without ``dp_rank``, the delayer's series also under the names that predate the other
+policies, and each request's latencies and tokens under the rank that ran it."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from atom.entrypoints.openai.metrics import ServerMetrics
@@ -26,17 +28,16 @@ def samples(policy: str, stats: list[dict]) -> dict[str, list]:
     return out
 
 
-def test_coalescer_decisions_per_rank_policy_and_reason():
+def test_coalescer_decisions_are_the_groups_per_policy_and_reason():
     decisions = {"fire_fill": 2, "hold_fill": 5, "hold_decode_interval": 1}
-    out = samples("coalescer", [rank_stats(0, decisions), rank_stats(1, decisions)])
+    later = {**decisions, "hold_fill": 6}  # rank 1 answered a tick later
+    out = samples("coalescer", [rank_stats(0, decisions), rank_stats(1, later)])
     series = out["atom:prefill_policy_decisions_total"]
-    assert len(series) == 6
+    assert len(series) == 3 and all("dp_rank" not in labels for labels, _ in series)
     assert {labels["policy"] for labels, _ in series} == {"coalescer"}
-    for rank in ("0", "1"):
-        per_reason = {labels["reason"]: value for labels, value in series
-                      if labels["dp_rank"] == rank}
-        assert per_reason == decisions
-    assert [v for _, v in out["atom:prefill_policy_max_consecutive_holds"]] == [3.0, 3.0]
+    assert {labels["reason"]: value for labels, value in series} == later
+    assert out["atom:prefill_policy_max_consecutive_holds"] == [
+        ({"model_name": "m", "policy": "coalescer"}, 3.0)]
     assert "atom:prefill_delayer_decisions_total" not in out
 
 
@@ -45,7 +46,7 @@ def test_delayer_keeps_its_metric_names():
     assert sorted((labels["reason"], v) for labels, v in
                   out["atom:prefill_delayer_decisions_total"]) == [("allow_all", 1.0),
                                                                    ("hold", 4.0)]
-    assert out["atom:prefill_delayer_hold_rate"] == [({"model_name": "m", "dp_rank": "0"}, 0.25)]
+    assert out["atom:prefill_delayer_hold_rate"] == [({"model_name": "m"}, 0.25)]
     assert len(out["atom:prefill_policy_decisions_total"]) == 2
 
 
@@ -72,7 +73,7 @@ def test_speculative_decoding_stats_are_exported():
     assert "atom:spec_decode_accepted_length_total" not in no_spec
 
 
-def test_eplb_series_per_rank():
+def test_eplb_series_of_the_group_and_per_rank():
     from atom.engine.core_client import merge_rank_results
 
     eplb = {"eplb_balancedness": 0.96, "eplb_num_rebalances": 2,
@@ -80,8 +81,8 @@ def test_eplb_series_per_rank():
             "eplb_rebalance_seconds_buckets": [0, 1, 1, 0, 0, 0, 0, 0, 0]}  # 0.05 s, 0.25 s
     stats = [{**rank_stats(r, {}), **eplb} for r in (0, 1)]
     out = samples("delayer", stats)
-    assert [v for _, v in out["atom:eplb_balancedness"]] == [0.96, 0.96]
-    assert [v for _, v in out["atom:eplb_rebalances_total"]] == [2.0, 2.0]
+    assert out["atom:eplb_balancedness"] == [({"model_name": "m"}, 0.96)]  # the group's
+    assert out["atom:eplb_rebalances_total"] == [({"model_name": "m"}, 2.0)]
     buckets = {(labels["dp_rank"], labels["le"]): v
                for labels, v in out["atom:eplb_rebalance_seconds_bucket"]}
     assert (buckets[("0", "0.05")], buckets[("0", "0.1")], buckets[("1", "+Inf")]) == (1, 2, 2)
@@ -89,3 +90,42 @@ def test_eplb_series_per_rank():
     merged = merge_rank_results(stats)  # the group's figures: not summed over the ranks
     assert (merged["eplb_num_rebalances"], merged["eplb_rebalance_seconds_buckets"][1]) == (2, 1)
     assert "atom:eplb_balancedness" not in samples("none", [rank_stats(0, {})])
+
+
+def _finished(dp_rank: int | None, ttft_s: float | None, *, num_prompt: int = 5):
+    from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    return RequestOutput(
+        "r", None, list(range(num_prompt)),
+        [CompletionOutput(0, "", [1, 2, 3], finish_reason="length")], True,
+        metrics=RequestMetrics(arrival_time_s=0.0,
+                               first_token_time_s=None if ttft_s is None else ttft_s,
+                               finished_time_s=1.0, num_output_tokens=3, dp_rank=dp_rank))
+
+
+def test_request_series_per_rank_and_group_steps_once():
+    metrics = ServerMetrics("m")
+    for rank, ttft_s in ((0, 0.2), (1, 0.4), (1, 0.6), (None, None)):  # None: refused, no rank
+        metrics.record_finished(_finished(rank, ttft_s))
+    stats = [{"dp_rank": r, "num_total_blocks": 8, "num_free_blocks": 8, "num_steps": 40 - r,
+              "num_prefill_steps": 7, "num_dummy_steps": 3 * r, "tick": 44} for r in (0, 1)]
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(metrics.render(stats).decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+
+    def per_rank(name: str) -> dict[str, float]:
+        return {labels["dp_rank"]: v for labels, v in out[name]}
+
+    assert per_rank("atom:time_to_first_token_seconds_count") == {"0": 1.0, "1": 2.0}
+    assert per_rank("atom:time_to_first_token_seconds_sum") == pytest.approx({"0": 0.2, "1": 1.0})
+    assert per_rank("atom:e2e_request_latency_seconds_count") == {"0": 1.0, "1": 2.0}
+    assert per_rank("atom:time_per_output_token_seconds_count") == {"0": 1.0, "1": 2.0}
+    assert per_rank("atom:prompt_tokens_total") == {"0": 5.0, "1": 10.0}
+    assert per_rank("atom:generation_tokens_total") == {"0": 3.0, "1": 6.0}
+    assert sum(v for _, v in out["atom:request_success_total"]) == 4  # the refused one too
+    # the group's counters once, no dp_rank; the rank's own (dummy batches) per rank
+    assert out["atom:dp_steps_total"] == [({"model_name": "m"}, 40.0)]
+    assert out["atom:dp_prefill_steps_total"] == [({"model_name": "m"}, 7.0)]
+    assert out["atom:dp_ticks_total"] == [({"model_name": "m"}, 44.0)]
+    assert per_rank("atom:dp_dummy_steps_total") == {"0": 0.0, "1": 3.0}

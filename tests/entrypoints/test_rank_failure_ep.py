@@ -2,7 +2,8 @@
 --enable-expert-parallel`` under the default ``--on-rank-failure shrink``: the front end starts
 a group of the one surviving slot (all four experts on it: the placement is recomputed from
 the weights), resumes all 16 in-flight streams, and their greedy text equals the undisturbed
-run's (the split model is the dense model's function, so its text is the dense one's too).
+run's (the split model is the dense model's function, so its text is the dense one's too);
+at shutdown the summary line says the group shrank.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from tests.entrypoints.remote_server import API_KEY, RemoteServer
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--moe-split-experts", "4", "--enable-expert-parallel",
-                       "--engine-hang-timeout-s", "4", "--num-kv-blocks", "64",
-                       "--max-model-len", "256", api_key=API_KEY, data_parallel_size=2)
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("ep-shrink") / "stderr.log"
+    with open(log, "w") as stderr:
+        srv = RemoteServer("--moe-split-experts", "4", "--enable-expert-parallel",
+                           "--engine-hang-timeout-s", "4", "--num-kv-blocks", "64",
+                           "--max-model-len", "256", api_key=API_KEY, data_parallel_size=2,
+                           stderr=stderr)
+    srv.log = log
     yield srv
     assert srv.stop() == 0
 
@@ -44,3 +49,9 @@ def test_dead_rank_with_expert_parallelism_shrinks_and_every_stream_completes(se
     assert [f["dp_rank"] for f in body["rank_failures"]] == [1], body
     assert len(wait_no_kv_in_use(server)) == 1  # one rank left, none of its blocks in use
     check_serves_new_requests(server)
+    assert server.stop() == 0
+    text = server.log.read_text()
+    summary = [line for line in text.splitlines() if line.startswith("atom: DP ")]
+    assert len(summary) == 1 and summary[0].startswith(
+        "atom: DP 1 (2 at start: rank failures shrank the group; counters since), EP 4 "
+        "experts (4 a rank), TBO off; per rank: requests "), text[-3000:]

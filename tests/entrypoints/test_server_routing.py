@@ -1,7 +1,10 @@
 """``atom serve --data-parallel-size 2 --dp-load-balance cache_aware`` over HTTP with the official
-``openai`` client: the ``X-Session-ID`` header keeps a conversation on its rank, the router's
-load returns to 0 after a finish, an abort, a client disconnect and an engine error (streaming
-and not, completions and chat), and ``/metrics`` carries the routing and KV event series.
+``openai`` client: the ``X-Session-ID`` header keeps a conversation on its rank, vLLM's
+``X-data-parallel-rank`` header pins a request's rank (a value that is not a rank: 400), the
+router's load returns to 0 after a finish, an abort, a client disconnect and an engine error
+(streaming and not, completions and chat), and ``/metrics`` carries the routing and KV event
+series, each request's latencies and tokens under the rank that ran it, and the group's steps
+once.
 """
 
 from __future__ import annotations
@@ -65,6 +68,62 @@ def test_session_header_keeps_a_conversation_on_its_rank(server):
     assert {rank for rank, _ in delta} == {first[0]}, delta  # every turn on the first one's rank
     assert all(reason in ("least_load", "session", "cache_hit") for _, reason in delta), delta
     wait_no_load(server)
+
+
+def per_rank(server: RemoteServer, name: str) -> dict[str, float]:
+    """``{dp_rank: value}`` of a per-rank series."""
+    return {dict(k)["dp_rank"]: v for k, v in samples(server, name).items()}
+
+
+def test_rank_header_pins_the_rank_and_the_latencies_are_that_ranks(server):
+    client = server.client()
+    pin = {"X-data-parallel-rank": "1"}
+    before = decisions(server)
+    ttft_before = per_rank(server, "atom:time_to_first_token_seconds_count")
+    tokens_before = per_rank(server, "atom:generation_tokens_total")
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_headers=pin)
+    list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
+                                   extra_headers=pin))
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                   extra_headers={**pin, "X-Session-ID": "pinned"})
+    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                        stream=True, extra_headers=pin))
+    delta = {k: v - before.get(k, 0) for k, v in decisions(server).items() if v != before.get(k, 0)}
+    assert delta == {("1", "hint"): 4}, delta  # the router's policy was bypassed
+    ttft = per_rank(server, "atom:time_to_first_token_seconds_count")
+    assert ttft["1"] - ttft_before.get("1", 0) == 4 and ttft.get("0") == ttft_before.get("0")
+    tokens = per_rank(server, "atom:generation_tokens_total")
+    assert tokens["1"] - tokens_before.get("1", 0) == 12 and tokens.get("0") == tokens_before.get("0")
+    for name in ("atom:time_per_output_token_seconds_count", "atom:e2e_request_latency_seconds_count",
+                 "atom:prompt_tokens_total"):
+        assert per_rank(server, name)["1"] >= 4, name
+    # the group's steps once (every rank counts the same), the rank's own dummy batches per rank
+    assert set(samples(server, "atom:dp_steps_total")) == {()}
+    assert set(samples(server, "atom:dp_prefill_steps_total")) == {()}
+    assert set(per_rank(server, "atom:dp_dummy_steps_total")) == {"0", "1"}
+    wait_no_load(server)
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "one", "1.0", ""])
+def test_a_rank_header_that_is_no_rank_is_400(server, value):
+    client = server.client()
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=stream,
+                                      extra_headers={"X-data-parallel-rank": value})
+        error = info.value.body
+        assert error["param"] == "X-data-parallel-rank", error
+        assert error["message"] == (f"the X-data-parallel-rank header is {value!r}: send a DP "
+                                    f"rank of this server, an integer in [0, 2) (it runs 2 DP "
+                                    f"ranks)")
+
+
+def test_a_rank_in_the_body_is_400_naming_the_header(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                extra_body={"data_parallel_rank": 5})
+    assert info.value.body["param"] == "data_parallel_rank"
+    assert "send the X-data-parallel-rank header" in info.value.body["message"]
 
 
 def test_too_long_session_header_is_400(server):

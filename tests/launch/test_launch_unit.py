@@ -119,6 +119,9 @@ def test_exit_code_descriptions():
     text = failure.describe()
     assert text.startswith("rank 1 (node 0, pid 42) failed with exit code -6 (SIGABRT")
     assert text.endswith("\n  a\n  b")
+    blank = WorkerFailure(rank=1, node_rank=0, pid=42, exit_code=-9, details="\n  \n",
+                          log_path="/tmp/rank1.log").describe()  # a tail of blank lines
+    assert blank.endswith("failed with " + describe_exit_code(-9) + "\n  its stderr: /tmp/rank1.log")
 
 
 # --- error files -------------------------------------------------------------------------------

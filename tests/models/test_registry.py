@@ -28,8 +28,31 @@ def test_every_entry_is_a_decoder_family():
 
 def test_the_registry_imports_no_torch():
     code = ("import sys, atom.models as m; m.check_architecture('Qwen3MoeForCausalLM'); "
+            "assert m.num_routed_experts({'architectures': ['MixtralForCausalLM'], "
+            "'num_local_experts': 8}) == 8; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_registrys_expert_count_is_the_familys():
+    """num_routed_experts (torch-free, for the pre-flight) reads the experts each MoE family's
+    parse_family_config reads, on the tests' tiny configs as transformers writes them."""
+    from transformers import (DeepseekV2Config, DeepseekV3Config, GptOssConfig, LlamaConfig,
+                              MixtralConfig, Qwen3MoeConfig)
+
+    from atom.models import num_routed_experts
+    from atom.worker.model_loader import arch_config_from_hf
+    from tests.moe_utils import DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, QWEN3_MOE
+
+    configs = [MixtralConfig(num_local_experts=6, num_hidden_layers=1), Qwen3MoeConfig(**QWEN3_MOE),
+               GptOssConfig(**GPT_OSS), DeepseekV3Config(**DEEPSEEK_V3),
+               DeepseekV2Config(**DEEPSEEK_V2)]
+    for hf in configs:
+        data = {**hf.to_dict(), "architectures": [type(hf).__name__.replace("Config", "ForCausalLM")]}
+        family = arch_config_from_hf(data).family
+        assert num_routed_experts(data) == family.num_experts > 0, data["architectures"]
+    dense = {**LlamaConfig().to_dict(), "architectures": ["LlamaForCausalLM"]}
+    assert num_routed_experts(dense) is None
 
 
 def test_check_architecture_names_the_supported_ones():

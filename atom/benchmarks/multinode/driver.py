@@ -45,7 +45,7 @@ from atom.benchmarks.multinode.deploy import (
     node_commands,
 )
 from atom.benchmarks.multinode.netns import NODE_IFNAME, NetnsHosts
-from atom.benchmarks.multinode.rank_stats import MetricsSampler, per_rank, scrape
+from atom.benchmarks.multinode.rank_stats import MetricsSampler, group_series, per_rank, scrape
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,8 @@ def benchmark(deployment: Deployment, args: argparse.Namespace, run_dir: pathlib
     extra_rc = (run_extra(args.extra_command, base_url=deployment.base_url, run_dir=run_dir)
                 if args.extra_command else None)
     return {"bench_rc": bench_rc, "bench": bench, "extra_rc": extra_rc, "ranks": ranks,
-            "samples": samples, "num_failed_samples": sampler.num_failed}
+            "group": group_series(text), "samples": samples,
+            "num_failed_samples": sampler.num_failed}
 
 
 def invocation() -> str:
@@ -218,6 +219,6 @@ def run_summary(cluster: ClusterSpec, args: argparse.Namespace, live: dict, *,
                         f"`{args.serve_args or '(defaults)'}`",
             "nodes": [{"node_rank": r, "address": n.address, "exit_code": codes.get(r)}
                       for r, n in enumerate(cluster.nodes)],
-            "bench": live["bench"], "ranks": live["ranks"],
+            "bench": live["bench"], "ranks": live["ranks"], "group": live.get("group", {}),
             "leftovers": {str(k): v for k, v in leftovers.items()},
             "num_failed_samples": live["num_failed_samples"]}

@@ -1,9 +1,10 @@
 """Each rank's numbers, read from node 0's ``/metrics`` (Prometheus text, ``dp_rank`` labels).
 
-:func:`per_rank` turns one scrape into ``{dp_rank: {series: value}}``; :class:`MetricsSampler`
-scrapes every ``interval_s`` while the benchmark runs, for the per-rank load over time. Series
-names drop the ``atom:`` prefix and a counter's ``_total`` suffix (``atom:dp_steps_total`` →
-``dp_steps``); per-reason counters become ``name.reason``.
+:func:`per_rank` turns one scrape into ``{dp_rank: {series: value}}``; :func:`group_series`
+gives the series of no rank (the DP group's values, such as its steps, and the front end's);
+:class:`MetricsSampler` scrapes every ``interval_s`` while the benchmark runs, for the per-rank
+load over time. Series names drop the ``atom:`` prefix and a counter's ``_total`` suffix
+(``atom:dp_steps_total`` → ``dp_steps``); per-reason counters become ``name.reason``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 #: the series a load-over-time sample keeps, per rank
-SAMPLED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "dp_steps",
+SAMPLED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
            "dp_dummy_steps")
 
 
@@ -29,17 +30,36 @@ def _short(family, sample_name: str) -> str:
 
 
 def per_rank(text: str) -> dict[int, dict[str, float]]:
-    """The per-rank series of a ``/metrics`` scrape (module docstring)."""
+    """The per-rank series of a ``/metrics`` scrape (module docstring); histograms leave
+    their buckets out."""
     ranks: dict[int, dict[str, float]] = {}
+    for family, sample, name in _series(text):
+        if "dp_rank" in sample.labels:
+            ranks.setdefault(int(sample.labels["dp_rank"]), {})[name] = sample.value
+    return dict(sorted(ranks.items()))
+
+
+def group_series(text: str) -> dict[str, float]:
+    """The series of a ``/metrics`` scrape that carry no ``dp_rank``: the DP group's values
+    (``dp_steps``, ``dp_prefill_steps``, the prefill policy's decisions, ...) and the front
+    end's. Series that differ only by another label (``finished_reason``, ``kind``) are summed."""
+    out: dict[str, float] = {}
+    for family, sample, name in _series(text):
+        if "dp_rank" not in sample.labels:
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+def _series(text: str):
+    """``(family, sample, short name)`` of every sample but histogram buckets."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if "dp_rank" not in sample.labels:
+            if sample.name.endswith("_bucket"):
                 continue
             name = _short(family, sample.name)
             if "reason" in sample.labels:
                 name = f"{name}.{sample.labels['reason']}"
-            ranks.setdefault(int(sample.labels["dp_rank"]), {})[name] = sample.value
-    return dict(sorted(ranks.items()))
+            yield family, sample, name
 
 
 def scrape(base_url: str, *, timeout_s: float = 30.0) -> str:

@@ -16,11 +16,12 @@ THROUGHPUTS = (("output_throughput", "output tok/s"), ("total_token_throughput",
                ("request_throughput", "requests/s"))
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
 STATS = ("mean", "p50", "p90", "p99")
-RANK_COLUMNS = (("dp_steps", "steps"), ("dp_dummy_steps", "dummy steps"),
-                ("dp_prefill_steps", "prefill steps"),
-                ("dp_mixed_prefill_steps", "mixed prefill steps"),
-                ("num_preemptions", "preemptions"), ("prefix_cache_hits", "prefix hits (tok)"),
-                ("num_kv_blocks_total", "KV blocks"))
+RANK_COLUMNS = (("dp_dummy_steps", "dummy steps"), ("num_preemptions", "preemptions"),
+                ("prefix_cache_hits", "prefix hits (tok)"), ("num_kv_blocks_total", "KV blocks"),
+                ("prompt_tokens", "prompt tokens"), ("generation_tokens", "output tokens"))
+# the DP group's steps (every rank counts the same: /metrics shows them once)
+GROUP_COLUMNS = (("dp_steps", "steps"), ("dp_prefill_steps", "prefill steps"),
+                 ("dp_mixed_prefill_steps", "mixed prefill steps"), ("dp_tbo_steps", "TBO steps"))
 
 
 def _plt():
@@ -63,6 +64,13 @@ def rank_table(ranks: dict[str, dict]) -> list[str]:
         cells = " | ".join(_fmt(series.get(key)) for key, _ in RANK_COLUMNS)
         lines.append(f"| {rank} | {cells} |")
     return lines
+
+
+def group_table(group: dict) -> list[str]:
+    """Markdown lines: the DP group's steps from the final ``/metrics`` (one row)."""
+    return ["| " + " | ".join(label for _, label in GROUP_COLUMNS) + " |",
+            "|" + "---:|" * len(GROUP_COLUMNS),
+            "| " + " | ".join(_fmt(group.get(key)) for key, _ in GROUP_COLUMNS) + " |"]
 
 
 def plot_throughput(runs: dict[str, dict], path: pathlib.Path) -> None:
@@ -143,7 +151,8 @@ def write_report(run_dir: pathlib.Path, summary: dict, samples: list[dict]) -> p
               for n in summary["nodes"]]
     lines += ["", "## Serving benchmark", "", *bench_tables(bench), "",
               "![throughput](throughput.png)", "", "![latency](latency.png)", "",
-              "## Per rank (final `/metrics`)", "", *rank_table(summary["ranks"]), "",
+              "## The DP group (final `/metrics`)", "", *group_table(summary.get("group", {})),
+              "", "## Per rank (final `/metrics`)", "", *rank_table(summary["ranks"]), "",
               "![per-rank load](rank_load.png)", ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))

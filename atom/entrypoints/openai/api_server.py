@@ -9,7 +9,8 @@ Errors, in one place (:func:`_install_error_handlers`): bad input is a 400 and a
 wrong API key is a 401; a dead engine is a 503. Bad input never reaches the engine.
 
 An ``X-Session-ID`` header names the conversation a request belongs to; the DP router keeps a
-session on one rank (``--dp-load-balance cache_aware``).
+session on one rank (``--dp-load-balance cache_aware``). vLLM's ``X-data-parallel-rank`` header
+runs the request on that DP rank, bypassing the router (a value that is not a rank: 400).
 
 A client that disconnects aborts its request (streaming: the response task is cancelled;
 non-streaming: a watcher on the connection cancels the handler), so its KV blocks are freed
@@ -53,7 +54,7 @@ from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME
 from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from atom.entrypoints.openai.serving import APIError, OpenAIServing, session_id_of, sse, sse_json
+from atom.entrypoints.openai.serving import APIError, OpenAIServing, sse, sse_json
 from atom.entrypoints.openai.serving_chat import create_chat_completion
 from atom.entrypoints.openai.serving_completion import create_completion
 
@@ -79,14 +80,13 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
 
     @v1.post("/completions")
     async def completions(req: p.CompletionRequest, request: Request):
-        session_id = session_id_of(request.headers)
-        return await respond(request, create_completion(serving, req, session_id=session_id))
+        routing = serving.routing(req, request.headers)
+        return await respond(request, create_completion(serving, req, routing=routing))
 
     @v1.post("/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
-        session_id = session_id_of(request.headers)
-        return await respond(request, create_chat_completion(serving, req,
-                                                             session_id=session_id))
+        routing = serving.routing(req, request.headers)
+        return await respond(request, create_chat_completion(serving, req, routing=routing))
 
     @v1.get("/models")
     async def models() -> p.ModelList:

@@ -44,13 +44,26 @@ T = TypeVar("T")
 IDLE_CHECK_S = 1.0  # an idle engine thread's wake-up period, to notice a failed rank
 
 
+@dataclass(frozen=True)
+class Routing:
+    """Where the DP router sends a request (both ignored with one rank).
+
+    Attributes:
+        session_id: the conversation it belongs to (``cache_aware`` keeps a session on its rank).
+        data_parallel_rank: pins the DP rank, bypassing the router's policy.
+    """
+
+    session_id: str | None = None
+    data_parallel_rank: int | None = None
+
+
 @dataclass
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
-    session_id: str | None
+    routing: Routing
     stream: "_Stream"
     kv_transfer_params: Any = None
 
@@ -118,9 +131,9 @@ class AsyncEngine:
     # ----- asyncio side -----
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, prompt: str | None = None, session_id: str | None = None,
+                       *, prompt: str | None = None, routing: Routing = Routing(),
                        kv_transfer_params: Any = None) -> AsyncIterator[RequestOutput]:
-        """Run one request (of session ``session_id``, for the DP router; with
+        """Run one request (``routing``: its session and rank pin, for the DP router; with
         ``kv_transfer_params``, a :class:`~atom.messages.KVTransferParams`: its P/D half);
         yields its outputs, the last one finished.
 
@@ -129,10 +142,11 @@ class AsyncEngine:
 
         Raises:
             EngineDeadError: the engine died before or while the request ran.
-            ValueError: ``request_id`` is already in use.
+            ValueError: ``request_id`` is already in use, or ``routing.data_parallel_rank`` is
+                not a rank of the group now.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, session_id, stream,
+        self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, routing, stream,
                           kv_transfer_params))
         finished = False
         try:
@@ -221,10 +235,11 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
                                         command.params, prompt=command.prompt,
-                                        session_id=command.session_id,
+                                        session_id=command.routing.session_id,
+                                        data_parallel_rank=command.routing.data_parallel_rank,
                                         **({} if command.kv_transfer_params is None else
                                            {"kv_transfer_params": command.kv_transfer_params}))
-            except ValueError as exc:  # a duplicate id: that request fails, nothing else
+            except ValueError as exc:  # a duplicate id or rank: that request fails, nothing else
                 self._streams.pop(command.request_id)
                 command.stream.put(exc)
         elif isinstance(command, _Abort):

@@ -6,26 +6,31 @@ Two sources:
   labelled ``dp_rank``: running and waiting sequences, KV cache usage (blocks with ref count > 0
   over all blocks, a fraction in [0, 1]), used and total KV blocks, prefix-cache queries and hits
   (tokens) and their hit rate, preemptions, aborted and front-end-finished sequences, KV event
-  batches published and dropped (when the ranks publish), and, with data parallelism, the DP
-  loop's ticks and forward steps (dummy, prefill, mixed-prefill, TBO), the cross-rank prefill
-  policy's decisions per reason (``atom:prefill_policy_decisions``,
-  labelled ``policy`` and ``reason``; they sum to its decisions), its hold rate and its longest
-  run of holds (with the delayer, also under the names that predate the other policies:
-  ``atom:prefill_delayer_decisions``, ``atom:prefill_delayer_hold_rate``), and the DP router's
-  load (unfinished requests it charged to the rank) and decisions per reason
-  (``atom.dp.router.REASONS``); with speculative decoding, its draft, accepted and emitted
-  tokens, verifies, acceptance rate, tokens per forward and the accepted-length distribution
-  (``atom:spec_decode_accepted_length{num_accepted=...}``); with EPLB, the last window's
-  balancedness (``atom:eplb_balancedness``), the rebalances (``atom:eplb_rebalances_total``) and
-  their durations (``atom:eplb_rebalance_seconds``, a histogram);
+  batches published and dropped (when the ranks publish), with data parallelism the dummy
+  batches the rank ran and the DP router's load (unfinished requests it charged to the rank)
+  and decisions per reason (``atom.dp.router.REASONS``); with speculative decoding, its draft,
+  accepted and emitted tokens, verifies, acceptance rate, tokens per forward and the
+  accepted-length distribution (``atom:spec_decode_accepted_length{num_accepted=...}``); with
+  EPLB, the durations of the rank's rebalances (``atom:eplb_rebalance_seconds``, a histogram);
+- the DP group's values, which every rank holds a copy of (the ticks and the cross-rank
+  decisions are identical on every rank), once and without ``dp_rank`` (summing them over
+  ranks would count each step N times): the DP loop's ticks and forward steps (prefill,
+  mixed-prefill, TBO, speculative), the cross-rank prefill policy's decisions per reason
+  (``atom:prefill_policy_decisions``, labelled ``policy`` and ``reason``; they sum to its
+  decisions), its hold rate and its longest run of holds (with the delayer, also under the
+  names that predate the other policies: ``atom:prefill_delayer_decisions``,
+  ``atom:prefill_delayer_hold_rate``), EPLB's rebalances (``atom:eplb_rebalances_total``) and
+  the last window's balancedness (``atom:eplb_balancedness``);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
   (batches applied, gaps detected / healed / unhealed, lost batches, decode failures); rank
   failures (``atom:rank_failures{kind="dead"|"hung"}``), recoveries (fresh groups started),
   the seconds they took (``atom:rank_recovery_seconds``, sum, and the last one), requests
   resumed after them and requests they failed, the group's DP size and generation;
-- per-request measurements taken by the front end as each request finishes: TTFT, TPOT and E2E
-  latency histograms (seconds), prompt and generation token counters, finished requests per
-  ``finished_reason``.
+- per-request measurements taken by the front end as each request finishes, labelled with the
+  ``dp_rank`` that ran it (``RequestMetrics.dp_rank``, as vLLM labels its engines' series;
+  requests refused before they reached a rank are left out): TTFT, TPOT and E2E latency
+  histograms (seconds), prompt and generation token counters; and finished requests per
+  ``finished_reason`` (every request, no ``dp_rank``).
 
 Every series carries ``model_name``. Nothing here talks to the engine: the server passes the
 stats in (:meth:`ServerMetrics.render`).
@@ -64,9 +69,6 @@ _ENGINE_GAUGES = (
      "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
     ("atom:num_requests_waiting_for_remote_kvs", "num_waiting_for_remote_kvs",
      "Consumer: sequences whose prompt KV is being pulled from a producer."),
-    # EPLB (--enable-eplb; atom.dp.eplb)
-    ("atom:eplb_balancedness", "eplb_balancedness",
-     "EPLB: the last window's mean / max of the ranks' routed tokens, summed over layers (0-1]."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -79,17 +81,7 @@ _ENGINE_COUNTERS = (
      "KV event batches the rank published (one per step with events)."),
     ("atom:kv_events_dropped_batches", "kv_events_dropped_batches",
      "KV event batches dropped unsent because the publisher's queue was full."),
-    # the DP loop's (DP ranks only; every rank counts the group's steps, so they agree)
-    ("atom:dp_ticks", "tick", "DP ticks (control syncs) of the rank."),
-    ("atom:dp_steps", "num_steps", "Forward steps of the DP group."),
     ("atom:dp_dummy_steps", "num_dummy_steps", "Dummy batches this rank ran (no work of its own)."),
-    ("atom:dp_prefill_steps", "num_prefill_steps", "Group steps where some rank prefilled."),
-    ("atom:dp_mixed_prefill_steps", "num_mixed_prefill_steps",
-     "Group steps where some rank prefilled and another did not."),
-    ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
-    ("atom:dp_spec_steps", "num_spec_steps", "Group steps where some rank verified drafts."),
-    ("atom:eplb_rebalances", "eplb_num_rebalances",
-     "EPLB: rebalances that moved experts (every rank counts the group's)."),
     # speculative decoding (engines with speculative_method only)
     ("atom:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed and verified."),
     ("atom:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
@@ -109,6 +101,22 @@ _ENGINE_COUNTERS = (
      "Consumer: pulls that failed (layout mismatch, producer gone, bad checksum)."),
     ("atom:kv_transfer_timeouts", "kv_transfer_timeouts",
      "Producer: kept requests freed on the keep timeout; consumer: pulls the producer never answered."),
+)
+# (metric name, stats key, help): the DP group's values, which every rank holds a copy of
+# (DP ranks only): one series, no dp_rank label
+_GROUP_COUNTERS = (
+    ("atom:dp_ticks", "tick", "DP ticks (control syncs) of the group."),
+    ("atom:dp_steps", "num_steps", "Forward steps of the DP group."),
+    ("atom:dp_prefill_steps", "num_prefill_steps", "Group steps where some rank prefilled."),
+    ("atom:dp_mixed_prefill_steps", "num_mixed_prefill_steps",
+     "Group steps where some rank prefilled and another did not."),
+    ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
+    ("atom:dp_spec_steps", "num_spec_steps", "Group steps where some rank verified drafts."),
+    ("atom:eplb_rebalances", "eplb_num_rebalances", "EPLB: rebalances that moved experts."),
+)
+_GROUP_GAUGES = (
+    ("atom:eplb_balancedness", "eplb_balancedness",
+     "EPLB: the last window's mean / max of the ranks' routed tokens, summed over layers (0-1]."),
 )
 _ROUTER_PREFIX = "dp_router_decisions_"
 # (metric name, front-end stats key, help): the DP router's KV event subscriber
@@ -188,7 +196,16 @@ class _EngineCollector:
             yield family
         yield _spec_accepted_lengths(labels, rows)
         yield _eplb_rebalance_seconds(labels, rows)
-        yield from self._policy_families(labels, rows)
+        model = [self.model_name]
+        stats = [s for _, s in rows]
+        for kind, name, key, doc in ([(CounterMetricFamily, *c) for c in _GROUP_COUNTERS]
+                                     + [(GaugeMetricFamily, *g) for g in _GROUP_GAUGES]):
+            family = kind(name, doc, labels=["model_name"])
+            value = _group_value(stats, key)
+            if value is not None:
+                family.add_metric(model, value)
+            yield family
+        yield from self._policy_families(stats)
         yield _per_reason("atom:dp_router_decisions",
                           "DP router decisions per reason, by destination rank (DP only).",
                           rows, _ROUTER_PREFIX, REASONS)
@@ -211,34 +228,41 @@ class _EngineCollector:
                 failures.add_metric(model + [kind], stats[f"rank_failures_{kind}"])
         yield failures
 
-    def _policy_families(self, labels: list[str], rows: list[tuple[list[str], dict]]):
+    def _policy_families(self, stats: list[dict]):
         """The prefill policy's series (DP only: a single rank has no policy stats)."""
-        yield from _decision_families("atom:prefill_policy", labels, rows,
+        yield from _decision_families("atom:prefill_policy", stats, model_name=self.model_name,
                                       policy=self.prefill_policy, gauges=_POLICY_GAUGES)
         if self.prefill_policy == "delayer":  # the names dashboards used before the policies
-            yield from _decision_families("atom:prefill_delayer", labels, rows, policy=None,
+            yield from _decision_families("atom:prefill_delayer", stats,
+                                          model_name=self.model_name, policy=None,
                                           gauges=_POLICY_GAUGES[:1])
 
 
-def _decision_families(prefix: str, labels: list[str], rows: list[tuple[list[str], dict]], *,
-                       policy: str | None, gauges: tuple[tuple[str, str], ...]):
-    """``{prefix}_decisions`` per reason and the ``gauges``, from the ``prefill_policy_*``
-    stats of each rank; a ``policy`` label unless ``policy`` is None."""
+def _group_value(stats: list[dict], key: str):
+    """A group value every rank holds a copy of: the largest (the ranks answer the stats call
+    at slightly different ticks; the counters only grow), or None when no rank has it."""
+    values = [s[key] for s in stats if key in s]
+    return max(values) if values else None
+
+
+def _decision_families(prefix: str, stats: list[dict], *, model_name: str, policy: str | None,
+                       gauges: tuple[tuple[str, str], ...]):
+    """``{prefix}_decisions`` per reason and the ``gauges``, the group's, from the
+    ``prefill_policy_*`` stats of the ranks; a ``policy`` label unless ``policy`` is None."""
     extra, extra_values = (["policy"], [policy]) if policy is not None else ([], [])
     decisions = CounterMetricFamily(f"{prefix}_decisions",
-                                    "Cross-rank prefill decisions per reason (DP only).",
-                                    labels=labels + extra + ["reason"])
-    for values, s in rows:
-        for key, count in s.items():
-            if key.startswith(_DECISIONS_PREFIX):
-                decisions.add_metric(values + extra_values + [key.removeprefix(_DECISIONS_PREFIX)],
-                                     count)
+                                    "Cross-rank prefill decisions of the DP group per reason.",
+                                    labels=["model_name", *extra, "reason"])
+    keys = dict.fromkeys(k for s in stats for k in s if k.startswith(_DECISIONS_PREFIX))
+    for key in keys:
+        decisions.add_metric([model_name, *extra_values, key.removeprefix(_DECISIONS_PREFIX)],
+                             _group_value(stats, key))
     yield decisions
     for name, doc in gauges:
-        family = GaugeMetricFamily(f"{prefix}_{name}", doc, labels=labels + extra)
-        for values, s in rows:
-            if f"prefill_policy_{name}" in s:
-                family.add_metric(values + extra_values, s[f"prefill_policy_{name}"])
+        family = GaugeMetricFamily(f"{prefix}_{name}", doc, labels=["model_name", *extra])
+        value = _group_value(stats, f"prefill_policy_{name}")
+        if value is not None:
+            family.add_metric([model_name, *extra_values], value)
         yield family
 
 
@@ -291,8 +315,7 @@ class ServerMetrics:
         self.model_name = model_name
         disable_created_metrics()  # no *_created series (process-wide; this is the server)
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        kw = dict(labelnames=labels, registry=self.registry)
+        kw = dict(labelnames=["model_name", "dp_rank"], registry=self.registry)
         self.ttft_s = Histogram("atom:time_to_first_token_seconds", "Time to first token (TTFT).",
                                 buckets=_LATENCY_BUCKETS_S, **kw)
         self.tpot_s = Histogram("atom:time_per_output_token_seconds",
@@ -310,17 +333,21 @@ class ServerMetrics:
         self.registry.register(self._engine)
 
     def record_finished(self, out: RequestOutput) -> None:
-        """Account one finished request (called on the engine thread)."""
-        m = out.metrics
-        if m is not None:
-            for histogram, value in ((self.ttft_s, m.ttft_s), (self.tpot_s, m.tpot_s),
-                                     (self.e2e_s, m.e2e_latency_s)):
-                if value is not None:
-                    histogram.labels(self.model_name).observe(value)
-        self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
-        self.generation_tokens.labels(self.model_name).inc(sum(len(c.token_ids) for c in out.outputs))
+        """Account one finished request (called on the engine thread): its latencies and
+        tokens under the ``dp_rank`` that ran it (none for a request that never reached a
+        rank), its finish reason."""
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.request_success.labels(self.model_name, str(reason)).inc()
+        m = out.metrics
+        if m is None or m.dp_rank is None:
+            return
+        labels = (self.model_name, str(m.dp_rank))
+        for histogram, value in ((self.ttft_s, m.ttft_s), (self.tpot_s, m.tpot_s),
+                                 (self.e2e_s, m.e2e_latency_s)):
+            if value is not None:
+                histogram.labels(*labels).observe(value)
+        self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(*labels).inc(sum(len(c.token_ids) for c in out.outputs))
 
     def render(self, rank_stats: list[dict], front_end_stats: dict | None = None) -> bytes:
         """The exposition text, with the engine series from ``rank_stats`` (one dict per rank)

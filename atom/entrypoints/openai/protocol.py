@@ -57,6 +57,9 @@ class SamplingFields(_Request):
     # P/D disaggregation (atom.core.kv_connector; set by atom pd-proxy): the fields of
     # atom.messages.KVTransferParams
     kv_transfer_params: dict[str, Any] | None = None
+    # not a field of OpenAI's or vLLM's API: declared so that it is refused (a 400 naming the
+    # X-data-parallel-rank header, OpenAIServing.routing) rather than silently ignored
+    data_parallel_rank: Any = None
 
 
 class CompletionRequest(SamplingFields):

@@ -10,8 +10,11 @@ stop-string prefix and never splits a UTF-8 character); each choice gets exactly
 its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``usage: null`` and
 one last chunk with no choices carries the usage; without it no chunk has ``usage``.
 
-A request's ``X-Session-ID`` header (:func:`session_id_of`) travels with its engine requests to
-the DP router, which keeps a session on one rank (``cache_aware``); it never reaches the core.
+A request's routing headers travel with its engine requests to the DP router and never reach
+the core (:meth:`OpenAIServing.routing`): ``X-Session-ID`` (:func:`session_id_of`; the router
+keeps a session on one rank, ``cache_aware``) and vLLM's ``X-data-parallel-rank``
+(:func:`data_parallel_rank_of`: the request runs on that rank, whatever the policy). vLLM has
+no body field for the rank; a ``data_parallel_rank`` in the body is refused, naming the header.
 
 Bad input raises :class:`APIError` (mapped to OpenAI error JSON in
 :mod:`atom.entrypoints.openai.api_server`) before anything reaches the engine.
@@ -31,7 +34,7 @@ import msgspec
 
 from atom.messages import KVTransferParams, check_token_ids
 from atom.entrypoints.openai import protocol as p
-from atom.entrypoints.openai.async_engine import AsyncEngine
+from atom.entrypoints.openai.async_engine import AsyncEngine, Routing
 from atom.outputs import CompletionOutput, RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -43,6 +46,7 @@ _INT64 = 2**63
 
 _MAX_SESSION_ID_CHARS = 256
 SESSION_HEADER = "x-session-id"
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's spelling (HTTP headers ignore case)
 
 
 def session_id_of(headers) -> str | None:
@@ -56,6 +60,22 @@ def session_id_of(headers) -> str | None:
         raise APIError(f"the X-Session-ID header is {len(value)} characters long; send at most "
                        f"{_MAX_SESSION_ID_CHARS}", param="X-Session-ID")
     return value
+
+
+def data_parallel_rank_of(headers, *, dp_size: int) -> int | None:
+    """The DP rank a request pins with vLLM's ``X-data-parallel-rank`` header (None: absent).
+
+    Raises:
+        APIError: (400) a value that is not a rank of the ``dp_size`` ranks running now.
+    """
+    value = headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    if not re.fullmatch(r"\s*\d{1,9}\s*", value) or int(value) >= dp_size:
+        raise APIError(f"the {DP_RANK_HEADER} header is {value!r}: send a DP rank of this "
+                       f"server, an integer in [0, {dp_size}) (it runs {dp_size} DP "
+                       f"rank{'s' * (dp_size != 1)})", param=DP_RANK_HEADER)
+    return int(value)
 
 
 class APIError(Exception):
@@ -130,6 +150,25 @@ class OpenAIServing:
         self.vocab_size = vocab_size
 
     # ----- request checks -----
+
+    @property
+    def dp_size(self) -> int:
+        """The DP ranks running now (fewer than started after a rank failure shrank them)."""
+        return int(self.engine.status.membership.get("dp_size", 1))
+
+    def routing(self, req: p.SamplingFields, headers) -> Routing:
+        """The request's :class:`~atom.entrypoints.openai.async_engine.Routing` from its
+        headers (module docstring).
+
+        Raises:
+            APIError: (400) a bad header, or a ``data_parallel_rank`` body field.
+        """
+        if req.data_parallel_rank is not None:
+            raise APIError(f"data_parallel_rank is not a request field (nor in vLLM's API): "
+                           f"send the {DP_RANK_HEADER} header to pin the DP rank",
+                           param="data_parallel_rank")
+        return Routing(session_id=session_id_of(headers),
+                       data_parallel_rank=data_parallel_rank_of(headers, dp_size=self.dp_size))
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError 404 for a model name other than the served one."""
@@ -250,14 +289,17 @@ class OpenAIServing:
     # ----- running -----
 
     async def outputs(self, prompts: list[_Prompt], params: SamplingParams, *,
-                      session_id: str | None = None,
+                      routing: Routing = Routing(),
                       kv_transfer_params: KVTransferParams | None = None
                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt_index, output)`` of every prompt's request, as the engine produces them
-        (every one in session ``session_id``, for the DP router; ``kv_transfer_params``: the
-        one prompt's P/D half).
+        (every one routed by ``routing``; ``kv_transfer_params``: the one prompt's P/D half).
 
         Closing the iterator aborts the requests still running.
+
+        Raises:
+            APIError: (400) the pinned rank is gone (a rank failure shrank the group since the
+                header was checked).
         """
         base = uuid.uuid4().hex
         updates: asyncio.Queue = asyncio.Queue()
@@ -267,9 +309,11 @@ class OpenAIServing:
         async def pump(i: int, prompt: _Prompt) -> None:
             try:
                 async for out in self.engine.generate(f"{base}-{i}", prompt.token_ids, params,
-                                                      prompt=prompt.text, session_id=session_id,
+                                                      prompt=prompt.text, routing=routing,
                                                       **extra):
                     updates.put_nowait((i, out))
+            except ValueError as exc:  # the router refused the rank pin: nothing runs
+                updates.put_nowait((i, APIError(str(exc), param=DP_RANK_HEADER)))
             except Exception as exc:  # the consumer re-raises it
                 updates.put_nowait((i, exc))
 
@@ -287,7 +331,7 @@ class OpenAIServing:
                 task.cancel()  # a running request's generator aborts it on the way out
 
     async def deltas(self, prompts: list[_Prompt], params: SamplingParams, tally: UsageTally, *,
-                     session_id: str | None = None,
+                     routing: Routing = Routing(),
                      kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[Delta]:
         """Per-choice deltas; ``tally`` holds the usage once the iterator is exhausted.
 
@@ -298,7 +342,7 @@ class OpenAIServing:
         cursors = [[_ChoiceCursor() for _ in range(params.n)] for _ in prompts]
         tally.prompt_tokens = [len(x.token_ids) for x in prompts]
         tally.cached_tokens = [0] * len(prompts)
-        async for i, out in self.outputs(prompts, params, session_id=session_id,
+        async for i, out in self.outputs(prompts, params, routing=routing,
                                          kv_transfer_params=kv_transfer_params):
             tally.cached_tokens[i] = out.num_cached_tokens
             if out.kv_transfer_params is not None:

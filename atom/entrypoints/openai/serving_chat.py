@@ -8,16 +8,17 @@ import uuid
 from collections.abc import AsyncIterator
 
 from atom.entrypoints.openai import protocol as p
+from atom.entrypoints.openai.async_engine import Routing
 from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, UsageTally
 from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, *,
-                                 session_id: str | None = None
+                                 routing: Routing = Routing()
                                  ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """The response, or (``stream``) an iterator of SSE events ending in ``[DONE]``: per
     choice a first chunk with the role, content chunks, and one chunk with its finish_reason
-    (``session_id``: the DP router's session, from the ``X-Session-ID`` header).
+    (``routing``: the DP router's session and rank pin, from the headers).
 
     Raises:
         APIError: bad input (400) or an unknown model (404).
@@ -35,7 +36,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     tally = UsageTally()
     header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                   model=serving.model_name)
-    deltas = serving.deltas([prompt], params, tally, session_id=session_id,
+    deltas = serving.deltas([prompt], params, tally, routing=routing,
                             kv_transfer_params=serving.kv_transfer_params(req, [prompt]))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from atom.entrypoints.openai import protocol as p
+from atom.entrypoints.openai.async_engine import Routing
 from atom.entrypoints.openai.serving import (
     APIError,
     Delta,
@@ -19,10 +20,10 @@ from atom.entrypoints.openai.serving import (
 
 
 async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
-                            session_id: str | None = None
+                            routing: Routing = Routing()
                             ) -> p.CompletionResponse | AsyncIterator[str]:
     """The response, or (``stream``) an iterator of SSE events ending in ``[DONE]``
-    (``session_id``: the DP router's session, from the ``X-Session-ID`` header).
+    (``routing``: the DP router's session and rank pin, from the headers).
 
     With ``echo`` each choice's text starts with its prompt (and ``logprobs`` with the prompt
     tokens', the first one ``None``).
@@ -43,7 +44,7 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
     tally = UsageTally()
     header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=serving.model_name)
     format_choice = _ChoiceFormatter(serving, prompts, echo=req.echo, num_top=req.logprobs)
-    deltas = serving.deltas(prompts, params, tally, session_id=session_id,
+    deltas = serving.deltas(prompts, params, tally, routing=routing,
                             kv_transfer_params=serving.kv_transfer_params(req, prompts))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

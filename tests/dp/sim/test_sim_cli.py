@@ -174,7 +174,14 @@ def test_run_says_what_it_ran_and_notes_an_overloaded_run(profile, capsys):
                                "burst_interval=0.5): 24 requests arriving over ")
     assert "deployment: DP 2, prefill policy delayer, EP off, TBO off, 32 KV blocks a rank; " \
            "profile" in " ".join(printed.split())
-    assert "overloaded: requests arrived at " in printed
+    # one figure for the overload: the header's two rates and their ratio in the note
+    joined = " ".join(printed.split())
+    rate, served = map(float, re.search(r"\(([\d.]+)/s\), served at ([\d.]+)/s", joined).groups())
+    pace = re.search(r"overloaded: requests arrived ([\d.]+)x as fast as this deployment "
+                     r"served them \(([\d.]+)/s against ([\d.]+)/s\)", joined)
+    assert pace is not None, printed
+    assert (float(pace[2]), float(pace[3])) == (rate, served)
+    assert float(pace[1]) == pytest.approx(rate / served, rel=0.05)  # of the rounded rates
     ttft = next(line for line in lines if line.startswith("| TTFT mean / p90"))
     assert re.fullmatch(r"\| TTFT mean / p90 +\| +\d+\.\d s / \d+\.\d s \|", ttft), ttft
     assert "tok/s vs" not in printed  # one run: no ratio to itself
@@ -214,3 +221,18 @@ def test_latencies_print_in_seconds_from_10_s():
 
     assert [format_ms(v) for v in (0.4, 781.2, 9999.0, 10_000.0, 134_086.0)] == [
         "0 ms", "781 ms", "9999 ms", "10.0 s", "134.1 s"]
+
+
+def test_sim_accuracy_configurations_are_shell_words():
+    """``scripts/sim_accuracy.py --configs`` takes its choices as typed, one word each."""
+    import importlib.util
+    import pathlib
+    import shlex
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "sim_accuracy.py"
+    spec = importlib.util.spec_from_file_location("sim_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert all(shlex.split(name) == [name] for name in module.CONFIGS), list(module.CONFIGS)
+    args = module.parse_args(["--configs", "ep-delayer", "dense-none"])
+    assert args.configs == ["ep-delayer", "dense-none"]
