@@ -163,12 +163,14 @@ class EngineConfig:
     """Seconds a DP collective (and the rendezvous) may wait for its peers before it fails:
     a rank that never shows up, or stops in the middle of a tick, fails the others after this
     long instead of hanging them (gloo's and NCCL's default is 10 minutes too)."""
-    engine_hang_timeout_s: float = 60.0
+    engine_hang_timeout_s: float = 10.0
     """Seconds without a heartbeat from an engine-core process after which the front end
     declares it hung (a stopped process, or one frozen in native code holding the GIL). The
-    heartbeat comes from a thread of its own, so a long but progressing step (torch releases
-    the GIL) never trips it. Well under dp_group_timeout_s: a hung rank is found long before
-    the collectives waiting for it would fail."""
+    heartbeat comes from a thread of its own, every second, so a long but progressing step
+    (torch and atom's kernels release the GIL) never trips it: 10 s is ten missed beats,
+    however long the step (tests/engine/test_liveness.py runs a forward longer than the
+    timeout). Well under dp_group_timeout_s: a hung rank is found long before the collectives
+    waiting for it would fail."""
     on_rank_failure: str = "shrink"
     """What the front end does when an engine-core process it started dies or hangs: shrink
     (start a fresh group without the lost rank: it needs nothing the failure may have taken,

@@ -401,13 +401,14 @@ class MPClient(EngineCoreClient):
                 "generation": self.generation}
 
     def membership(self) -> dict:
-        now = time.monotonic()
-        silence = self._monitor.silence_s(now)
+        # read from other threads too (/health): one snapshot of each list, no index into a
+        # list the engine thread may replace meanwhile (a recovery resets them)
+        beats = list(zip(self._monitor.silence_s(time.monotonic()), self._monitor.last_ticks))
+        pids = list(self.pids)
         return {"generation": self.generation, "dp_size": self.num_ranks,
-                "ranks": [{"dp_rank": r, "pid": self.pids[r] if r < len(self.pids) else None,
-                           "last_tick": self._monitor.last_ticks[r],
-                           "heartbeat_age_s": round(silence[r], 3)}
-                          for r in range(len(silence))],
+                "ranks": [{"dp_rank": r, "pid": pids[r] if r < len(pids) else None,
+                           "last_tick": tick, "heartbeat_age_s": round(silence, 3)}
+                          for r, (silence, tick) in enumerate(beats)],
                 "rank_failures": list(self.failures)}
 
     # ----- lifecycle -----

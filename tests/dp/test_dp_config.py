@@ -160,7 +160,7 @@ def test_rank_failure_flags_and_the_shrunk_config(caplog):
             config.resume_on_rank_failure) == (5.0, "replace", False)
     default = _parse([])
     assert (default.engine_hang_timeout_s, default.on_rank_failure,
-            default.resume_on_rank_failure) == (60.0, "shrink", True)
+            default.resume_on_rank_failure) == (10.0, "shrink", True)
     for bad in (dict(engine_hang_timeout_s=1.0), dict(on_rank_failure="pray")):
         with pytest.raises(ValueError):
             EngineConfig(**bad)

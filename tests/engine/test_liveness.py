@@ -249,3 +249,26 @@ def test_dp_client_recovery_releases_every_charged_request_once():
             time.sleep(0.01)  # polling the fake core's thread until the request arrived
     finally:
         client.shutdown()
+
+
+def test_a_forward_longer_than_the_hang_timeout_is_not_a_hang():
+    """The heartbeat thread beats through a forward (torch and atom's kernels release the GIL):
+    a real engine-core process running one prefill forward twice as long as the shortest
+    hang timeout is never declared hung. The prompt is sized on this machine from a short
+    request, and the long request's TTFT shows its forward did outlast the timeout."""
+    from atom import LLM
+
+    config = dict(engine_hang_timeout_s=HANG_TIMEOUT_S, num_threads=1, dtype="float32",
+                  max_model_len=4096, max_num_batched_tokens=4096, num_kv_blocks=260,
+                  block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    with LLM(**config) as llm:
+        llm.generate([list(range(100, 164))], params)  # warm-up
+        start = time.perf_counter()
+        llm.generate([list(range(100, 356))], params)
+        per_token_s = (time.perf_counter() - start) / 256
+        num_tokens = min(4000, int(2 * HANG_TIMEOUT_S / per_token_s))
+        [out] = llm.generate([[100 + i % 9000 for i in range(num_tokens)]], params)
+        assert out.outputs[0].finish_reason == "length", out.outputs[0].error
+        assert out.metrics.ttft_s > HANG_TIMEOUT_S, (num_tokens, out.metrics.ttft_s)
+        assert llm.get_stats()["rank_failures_hung"] == 0

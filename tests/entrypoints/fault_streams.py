@@ -142,8 +142,8 @@ def wait_no_kv_in_use(server: RemoteServer, deadline_s: float = 10.0) -> list[tu
         time.sleep(0.2)  # polling the server until the finished requests' blocks are freed
 
 
-def health(server: RemoteServer) -> tuple[int, dict]:
-    r = httpx.get(server.url + "/health", timeout=60.0)
+def health(server: RemoteServer, *, timeout_s: float = 60.0) -> tuple[int, dict]:
+    r = httpx.get(server.url + "/health", timeout=timeout_s)
     return r.status_code, r.json()
 
 

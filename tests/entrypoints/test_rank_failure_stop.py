@@ -1,7 +1,9 @@
-"""A hung rank of ``atom serve --data-parallel-size 2 --on-rank-failure stop``: every in-flight
-stream ends with an error event naming the rank within ``--engine-hang-timeout-s`` + 10 s (not
-the 600 s group timeout), a new request gets 503 at once, ``/health`` is 503 and says which
-rank hung, and the server still exits 0 on SIGTERM.
+"""A hung (SIGSTOPped) rank of ``atom serve --data-parallel-size 2 --on-rank-failure stop``, with
+the default ``--engine-hang-timeout-s`` (10 s): ``/health`` answers within 2 s all along (it
+never waits on the engine thread, which waits on the stopped rank) and turns 503 naming the
+rank within the timeout + 10 s; every in-flight stream ends with an error event naming the rank
+as fast (not the 600 s group timeout); a new request gets 503 at once; the server still exits 0
+on SIGTERM.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import signal
 import time
 
+from atom.config import EngineConfig
 from tests.entrypoints.fault_streams import (
     PROMPTS,
     engine_cores,
@@ -19,16 +22,23 @@ from tests.entrypoints.fault_streams import (
 )
 from tests.entrypoints.remote_server import API_KEY, MODEL, RemoteServer
 
-HANG_TIMEOUT_S = 4.0
+HANG_TIMEOUT_S = EngineConfig().engine_hang_timeout_s  # the default
+HEALTH_ANSWER_S = 2.0  # a load balancer's probe timeout: /health must answer within it
 
 
 def test_hung_rank_fails_every_request_fast_and_the_server_answers_503():
-    server = RemoteServer("--on-rank-failure", "stop", "--engine-hang-timeout-s",
-                          str(HANG_TIMEOUT_S), "--num-kv-blocks", "64", "--max-model-len", "256",
-                          api_key=API_KEY, data_parallel_size=2)
+    server = RemoteServer("--on-rank-failure", "stop", "--num-kv-blocks", "64",
+                          "--max-model-len", "256", api_key=API_KEY, data_parallel_size=2)
     try:
         streams = start_streams(server, PROMPTS[:8])
         fault_s = kill_signal(engine_cores(server)[1], signal.SIGSTOP)
+        while True:  # each probe answers within 2 s (httpx raises past it), the rank silent
+            status, body = health(server, timeout_s=HEALTH_ANSWER_S)
+            if status == 503:
+                break
+            assert time.monotonic() - fault_s < HANG_TIMEOUT_S + 10, body
+            time.sleep(0.5)
+        assert body["status"] in ("unresponsive", "dead") and "dp rank 1" in body["message"], body
         wait_streams(streams)
         for s in streams:
             assert s.status == 200 and s.error is not None, s

@@ -14,9 +14,11 @@ runs the request on that DP rank, bypassing the router (a value that is not a ra
 
 A client that disconnects aborts its request (streaming: the response task is cancelled;
 non-streaming: a watcher on the connection cancels the handler), so its KV blocks are freed
-within a step. ``/health`` is 503 once an engine core has exited or does not answer a stats call
-within ``_HEALTH_TIMEOUT_S``, and at once while the engine recovers from a rank failure (its
-JSON body says which rank failed and why, and the membership: generation, DP size, ranks).
+within a step. ``/health`` answers at once from what the front end already knows, never waiting
+on the engine thread: 503 once an engine core has exited, when a rank has sent no heartbeat for
+``--engine-hang-timeout-s`` (stopped or frozen; the engine thread then replaces or fails it),
+and while the engine recovers from a rank failure (its JSON body says which rank failed and
+why, and the membership: generation, DP size, ranks with their heartbeat ages).
 
 Once it listens, the server prints where on stderr (``serving on http://127.0.0.1:8000 (model
 NAME, DP 2, EP on)``). SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and
@@ -60,15 +62,34 @@ from atom.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
-_HEALTH_TIMEOUT_S = 10.0  # a stats round trip through every engine core must finish in this
+_METRICS_TIMEOUT_S = 10.0  # a stats round trip through every engine core must finish in this
 
 
-def _probe(engine: LLMEngine) -> tuple[bool, dict]:
-    """``/health``'s question to the engine thread: a failed rank is recovered from first (the
-    call then outlasts the health timeout, and later ones see ``recovering``), then a stats
-    round trip through every core."""
-    engine.check_ranks()
-    return engine.client_is_alive() and bool(engine.get_stats()), engine.membership()
+def _health(engine: AsyncEngine) -> tuple[bool, dict]:
+    """``/health``'s answer from what this process knows now (the engine thread's status, the
+    ranks' processes, their heartbeats), read from this thread (the membership is a snapshot,
+    the process check a poll): no call waits on the engine thread, which may be in a step that
+    waits on a stopped rank until its hang timeout."""
+    status = engine.status
+    body = {"status": status.state, "message": status.message, "front_end_pid": os.getpid(),
+            **status.membership}
+    if status.state != SERVING:
+        return False, body
+    llm = engine.engine
+    body.update(llm.membership())
+    if not llm.client_is_alive():
+        body["status"] = DEAD
+        body["message"] = "an engine core exited; the engine thread is handling it"
+        return False, body
+    timeout_s = llm.config.engine_hang_timeout_s
+    silent = [r for r in body.get("ranks", []) if r["heartbeat_age_s"] >= timeout_s]
+    if silent:
+        body["status"] = "unresponsive"
+        body["message"] = "; ".join(
+            f"dp rank {r['dp_rank']} sent no heartbeat for {r['heartbeat_age_s']:.1f} s "
+            f"(engine_hang_timeout_s={timeout_s:g}): stopped or frozen" for r in silent)
+        return False, body
+    return True, body
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | None) -> FastAPI:
@@ -97,34 +118,19 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while serving: every core answered a stats call; the body is the group's
-        membership and this process's pid (``front_end_pid``: the process to SIGTERM for a
-        drain, also under ``atom launch``). 503 otherwise: recovering from a rank failure, dead, or unresponsive;
-        ``message`` says which rank and why."""
-        status = engine.status
-        body = {"status": status.state, "message": status.message,
-                "front_end_pid": os.getpid(), **status.membership}
-        if status.state == SERVING:
-            try:
-                alive, membership = await engine.call(_probe, timeout_s=_HEALTH_TIMEOUT_S)
-                body.update(membership)
-            except EngineDeadError as exc:
-                alive, body["status"], body["message"] = False, DEAD, str(exc)
-            except TimeoutError:
-                alive, body["status"] = False, "unresponsive"
-                body["message"] = (f"the engine did not answer a stats call within "
-                                   f"{_HEALTH_TIMEOUT_S:g} s")
-            if not alive and body["status"] == SERVING:
-                body["status"] = DEAD
-        else:
-            alive = False
+        """200 while serving: every core process runs and beat within
+        ``--engine-hang-timeout-s``; the body is the group's membership and this process's pid
+        (``front_end_pid``: the process to SIGTERM for a drain, also under ``atom launch``).
+        503 otherwise: recovering from a rank failure, dead, or unresponsive; ``message`` says
+        which rank and why. Answers at once (:func:`_health`)."""
+        alive, body = _health(engine)
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         try:
             rank_stats, front_end_stats = await engine.call(
-                lambda e: (e.get_rank_stats(), e.front_end_stats()), timeout_s=_HEALTH_TIMEOUT_S)
+                lambda e: (e.get_rank_stats(), e.front_end_stats()), timeout_s=_METRICS_TIMEOUT_S)
         except (EngineDeadError, TimeoutError):
             rank_stats, front_end_stats = [], {}
         return Response(metrics.render(rank_stats, front_end_stats), media_type=CONTENT_TYPE)
