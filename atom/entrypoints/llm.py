@@ -115,17 +115,18 @@ class LLM:
         return self._engine.get_rank_stats()
 
     def get_expert_load(self):
-        """EPLB (``enable_eplb``): the tokens routed to each logical expert in the last closed
-        window (``eplb_window_size`` ticks before the last rebalance tick), summed over the DP
+        """EPLB (``enable_eplb``) or ``record_expert_load``: the tokens routed to each logical
+        expert in the last closed window (``eplb_window_size`` ticks before the end of the last
+        ``eplb_step_interval``), summed over the DP
         ranks: int64 numpy ``[MoE layers, experts]``, zeros before the first window closes.
         A recorded load for the simulator's skew model (``atom sim run --routing-load``, saved
-        with ``numpy.save``). Raises ValueError when EPLB is off."""
+        with ``numpy.save``). Raises ValueError when neither is on."""
         return self._engine.get_expert_load()
 
     def get_expert_placement(self):
-        """EPLB (``enable_eplb``): the current placement, the logical expert of each physical
-        slot, int64 numpy ``[MoE layers, slots]`` (rank ``r`` owns the ``r``-th run of
-        ``slots / DP size``). Raises ValueError when EPLB is off."""
+        """EPLB (``enable_eplb``) or ``record_expert_load``: the current placement, the logical
+        expert of each physical slot, int64 numpy ``[MoE layers, slots]`` (rank ``r`` owns the
+        ``r``-th run of ``slots / DP size``). Raises ValueError when neither is on."""
         return self._engine.get_expert_placement()
 
     def reset_prefix_cache(self) -> bool:

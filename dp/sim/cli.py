@@ -116,12 +116,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         windows = experts.get("windows", [])
         eplb = ""
         if windows:
-            eplb = (f"; EPLB windows {len(windows)}, balancedness first "
-                    f"{windows[0]['balancedness']:.3f}, last {windows[-1]['balancedness']:.3f}, "
-                    f"{experts['num_rebalances']} rebalance(s)")
-        elif config.enable_eplb:
-            eplb = (f"; EPLB never acted: the run's {result['num_steps']} steps ended before "
-                    f"the first window closed, at step {config.eplb_step_interval} "
+            eplb = (f"; {'EPLB' if config.enable_eplb else 'expert load'} windows "
+                    f"{len(windows)}, balancedness first {windows[0]['balancedness']:.3f}, last "
+                    f"{windows[-1]['balancedness']:.3f}"
+                    + (f", {experts['num_rebalances']} rebalance(s)" if config.enable_eplb
+                       else ""))
+        elif config.resolved_record_expert_load():
+            eplb = (f"; {'EPLB' if config.enable_eplb else 'the expert load'} never acted: "
+                    f"the run's {result['num_steps']} steps ended before the first window closed, at step {config.eplb_step_interval} "
                     f"(--eplb-step-interval; shorten it and --eplb-window-size, or run longer)")
         print(f"experts: mean step imbalance {experts['mean_imbalance']:.2f}{eplb}")
     if args.output_json:

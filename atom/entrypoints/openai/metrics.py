@@ -15,8 +15,9 @@ Two sources:
   load (unfinished requests it charged to the rank) and decisions per reason
   (``atom.dp.router.REASONS``); with speculative decoding, its draft, accepted and emitted
   tokens, verifies, acceptance rate, tokens per forward and the accepted-length distribution
-  (``atom:spec_decode_accepted_length{num_accepted=...}``); with EPLB, the last window's
-  balancedness (``atom:eplb_balancedness``), the rebalances (``atom:eplb_rebalances_total``) and
+  (``atom:spec_decode_accepted_length{num_accepted=...}``); with EPLB or
+  ``--record-expert-load``, the last window's balancedness (``atom:eplb_balancedness``) and the
+  windows closed (``atom:eplb_windows_total``); with EPLB, the rebalances (``atom:eplb_rebalances_total``) and
   their durations (``atom:eplb_rebalance_seconds``, a histogram);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
   (batches applied, gaps detected / healed / unhealed, lost batches, decode failures); rank
@@ -64,9 +65,10 @@ _ENGINE_GAUGES = (
      "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
     ("atom:num_requests_waiting_for_remote_kvs", "num_waiting_for_remote_kvs",
      "Consumer: sequences whose prompt KV is being pulled from a producer."),
-    # EPLB (--enable-eplb; atom.dp.eplb)
+    # EPLB's window (--enable-eplb, or --record-expert-load alone; atom.dp.eplb)
     ("atom:eplb_balancedness", "eplb_balancedness",
-     "EPLB: the last window's mean / max of the ranks' routed tokens, summed over layers (0-1]."),
+     "EPLB or --record-expert-load: the last window's mean / max of the ranks' routed tokens, "
+     "summed over layers (0-1]."),
 )
 _ENGINE_COUNTERS = (
     ("atom:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -88,6 +90,8 @@ _ENGINE_COUNTERS = (
      "Group steps where some rank prefilled and another did not."),
     ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
     ("atom:dp_spec_steps", "num_spec_steps", "Group steps where some rank verified drafts."),
+    ("atom:eplb_windows", "eplb_num_windows",
+     "EPLB or --record-expert-load: expert-load windows closed (every rank counts the group's)."),
     ("atom:eplb_rebalances", "eplb_num_rebalances",
      "EPLB: rebalances that moved experts (every rank counts the group's)."),
     # speculative decoding (engines with speculative_method only)
