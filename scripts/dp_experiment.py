@@ -16,7 +16,8 @@ layer exchanges tokens between the ranks), and with ``--enable-expert-parallel``
 folder's experts are sharded over the ranks; either way each configuration runs with
 two-batch overlap off and on. Prompt token ids are drawn inside the model's vocabulary
 (:func:`atom.dp.sim.workload.vocab_range`: ids 100-19999, cut at a smaller vocabulary). Each
-runs the same workload on ``--dp-size`` real EngineCore processes. Measured (the step counters come from the batch-shape exchange, so every rank counts the same):
+runs the same workload on ``--dp-size`` real EngineCore processes. Measured (the step
+counters come from the batch-shape exchange, so every rank counts the same):
 
 - mixed-step fraction: forward steps where some rank prefills and another does not, over all
   forward steps (in an expert-parallel model the decode-only ranks wait for the prefill);

@@ -109,7 +109,8 @@ class LLM:
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
         collective count and hash, prefill policy counters, the router's counters for the
-        rank; with EPLB ``eplb_balancedness`` of the last closed window, ``eplb_num_rebalances``,
+        rank; with EPLB or ``record_expert_load`` ``eplb_balancedness`` of the last closed
+        window and ``eplb_num_windows``, with EPLB also ``eplb_num_rebalances``,
         the last rebalance's ``eplb_last_plan_ms`` and ``eplb_last_move_ms``); one rank:
         ``[get_stats()]``."""
         return self._engine.get_rank_stats()
