@@ -480,16 +480,22 @@ def refit(profile: Profile, config: EngineConfig) -> Profile:
     return dataclasses.replace(profile, coefficients=Coefficients(**coefficients), fit=fit)
 
 
-def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> Profile:
+def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True,
+              group_replays: int = GROUP_REPLAYS) -> Profile:
     """Measure and fit (module docstring). ``config``: the deployment to calibrate for
     (``data_parallel_size`` ranks, model, dtype, ``moe_split_experts``, expert parallelism;
     ``num_threads`` unset = the per-rank share of this machine's cores); ``group=False``
-    skips the real DP run (the per-tick and EP terms stay 0).
+    skips the real DP run (the per-tick and EP terms stay 0); ``group_replays``: real replays
+    per group fit (each tick's median).
 
     Raises:
-        ValueError: a config that cannot run (e.g. expert parallelism without experts).
+        ValueError: a config that cannot run (e.g. expert parallelism without experts), or
+            ``group_replays`` below 1.
         RuntimeError: a real rank failed, or the simulated replay diverged from the real one.
     """
+    if group_replays < 1:
+        raise ValueError(f"--group-replays {group_replays}: use at least 1 (default "
+                         f"{GROUP_REPLAYS})")
     threads = resolve_num_threads(config.num_threads, num_local_ranks=config.data_parallel_size)
     # token-id workloads only: a folder without tokenizer files calibrates too
     config = dataclasses.replace(config, num_threads=threads, skip_tokenizer_init=True)
@@ -499,7 +505,7 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
     if group:
         requests = calibration_workload(facts["vocab_size"])
         for part, group_config in _group_configs(config).items():
-            runs[part] = measure_group(group_config, requests)
+            runs[part] = measure_group(group_config, requests, replays=group_replays)
     coefficients, fit = fit_all(config, measurements, facts, runs)
     model = config.model or "embedded SmolLM2-135M-Instruct"
     if config.moe_split_experts:
@@ -511,6 +517,6 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
         model_facts=facts, fit=fit,
         notes=(f"atom sim calibrate: grid of {len(measurements)} batches x {repeats} repeats "
                f"(median) on one in-process core, {threads} thread(s); group terms from a "
-               f"tick-clocked replay ({GROUP_REPLAYS} runs) on {config.data_parallel_size} real "
+               f"tick-clocked replay ({group_replays} runs) on {config.data_parallel_size} real "
                f"ranks{', then with expert parallelism' if config.enable_expert_parallel else ''}; "
                f"{time.monotonic() - start:.0f} s"))

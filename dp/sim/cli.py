@@ -157,7 +157,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from atom.dp.sim.calibrate import calibrate
 
-    profile = calibrate(config_from_args(args), repeats=args.repeats, group=args.group)
+    replays = {} if args.group_replays is None else {"group_replays": args.group_replays}
+    profile = calibrate(config_from_args(args), repeats=args.repeats, group=args.group,
+                        **replays)
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
@@ -239,6 +241,9 @@ def add_sim_parser(sub, fmt) -> None:
     cal.add_argument("--repeats", type=int, default=3, help="timed rounds over the grid")
     cal.add_argument("--group", action=argparse.BooleanOptionalAction, default=True,
                      help="also fit the per-tick and EP terms on a short real DP run")
+    cal.add_argument("--group-replays", type=int, default=None,
+                     help="real replays per group fit, each tick's median (default: "
+                          "atom.dp.sim.calibrate.GROUP_REPLAYS; fewer: quicker, noisier)")
     cal.add_argument("--output", default="results/sim_profile.json")
     cal.set_defaults(func=cmd_calibrate, data_parallel_size=2, dtype="float32")
 

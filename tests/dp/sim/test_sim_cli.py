@@ -123,7 +123,8 @@ def test_calibrate_a_real_moe_folder_with_expert_parallelism(tmp_path, capsys):
     build_tiny_qwen3(tmp_path / "model")
     out = tmp_path / "profile.json"
     assert main(["sim", "calibrate", "--model", str(tmp_path / "model"), "--num-threads", "1",
-                 "--enable-expert-parallel", "--repeats", "1", "--output", str(out)]) == 0
+                 "--enable-expert-parallel", "--repeats", "1", "--group-replays", "1",
+                 "--output", str(out)]) == 0
     profile = load_profile(out)
     assert profile.model_facts == {"kv_cache_bytes_per_token": _TINY_KV_BYTES_PER_TOKEN,
                                    "max_position_embeddings": 512, "num_experts": 8,
