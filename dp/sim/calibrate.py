@@ -93,9 +93,8 @@ def _entries(point: dict, block_manager, vocab_size: int) -> list:
 
     entries, params = [], SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     for i, (n, ctx) in enumerate(point.get("prefill", [])):
-        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n, vocab_size=vocab_size)),
-                       params,
-                       num_computed_tokens=ctx)
+        prompt = synthetic_prompt(f"p{i}", ctx + n, vocab_size=vocab_size)
+        seq = Sequence(f"p{i}", list(prompt), params, num_computed_tokens=ctx)
         block_manager.allocate(seq)
         entries.append((seq, n))
     num_decodes, ctx = point.get("decode", (0, 0))
