@@ -206,6 +206,11 @@ class EngineConfig:
     """EPLB measurement mode: replace the router's expert choice by a uniform one (every
     expert and rank gets the same share: the balanced upper bound; ATOM's --fake-eplb). It
     changes the model's output: never for serving."""
+    record_expert_load: bool = False
+    """Count the tokens routed to each expert over EPLB's window (eplb_window_size of every
+    eplb_step_interval ticks) without moving any expert: balancedness per window in /metrics,
+    the DP summary line and the DP trace, the load at GET /expert_load (SGLang's expert
+    distribution recorder, stat mode). enable_eplb records too; needs enable_expert_parallel."""
     enable_tbo: bool = False
     """Two-batch overlap: run prefill steps as two micro-batches whose MoE collectives overlap
     the other's compute (across DP ranks, only on steps where every rank can split); needs
@@ -364,6 +369,10 @@ class EngineConfig:
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb balances the experts of expert parallelism: set "
                              "enable_expert_parallel (--enable-expert-parallel) too")
+        if self.record_expert_load and not self.enable_expert_parallel:
+            raise ValueError("record_expert_load counts the experts' tokens under expert "
+                             "parallelism: set enable_expert_parallel (--enable-expert-parallel) "
+                             "too")
 
     def check_expert_layout(self, num_experts: int | None, *, model: str) -> int | None:
         """Check the expert options against the model's experts (``num_experts`` per MoE
@@ -455,7 +464,7 @@ class EngineConfig:
         if self.data_parallel_size == 1:
             for name, off in (("prefill_policy", (None, "none")), ("prefill_decode_interval", (0,)),
                               ("dp_trace", (None,)), ("enable_eplb", (False,)),
-                              ("enable_tbo", (False,))):
+                              ("enable_tbo", (False,)), ("record_expert_load", (False,))):
                 if getattr(self, name) not in off:
                     raise ValueError(f"{name}={getattr(self, name)!r} needs data parallelism: "
                                      f"set data_parallel_size > 1 or leave it unset")
@@ -510,7 +519,8 @@ class EngineConfig:
         if num_ranks == 1:
             off = {"prefill_policy": (None, "none"), "prefill_decode_interval": (0,),
                    "dp_trace": (None,), "enable_eplb": (False,), "eplb_num_redundant_experts": (0,),
-                   "eplb_fake_uniform": (False,), "enable_tbo": (False,)}
+                   "eplb_fake_uniform": (False,), "enable_tbo": (False,),
+                   "record_expert_load": (False,)}
             dropped = {k: v[0] for k, v in off.items() if getattr(self, k) not in v}
             if dropped:
                 import logging
@@ -520,6 +530,12 @@ class EngineConfig:
                         f"{k}={getattr(self, k)!r}" for k in dropped))
             changes.update(dropped)
         return dataclasses.replace(self, **changes)
+
+    def resolved_record_expert_load(self) -> bool:
+        """Whether the DP ranks count the experts' routed tokens (EPLB's manager on every
+        rank): with enable_eplb (which rebalances on the counts) or record_expert_load (which
+        only reports them)."""
+        return self.enable_eplb or self.record_expert_load
 
     def resolved_prefill_policy(self) -> str:
         """The prefill policy this config runs ("delayer", "coalescer" or "none"; None =

@@ -184,8 +184,9 @@ class DPEngineCoreProc(EngineCoreProc):
         if call.method in EPLB_UTILITIES:
             if self.eplb is None:
                 return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id,
-                                     error=f"{call.method} needs EPLB: start the engine with "
-                                           f"enable_eplb (--enable-eplb)")
+                                     error=f"{call.method} needs the expert load: start "
+                                           f"the engine with record_expert_load "
+                                           f"(--record-expert-load) or enable_eplb")
             return UtilityResult(dp_rank=self.dp_rank, call_id=call.call_id,
                                  result=self.eplb.call_utility(call.method))
         result = super()._run_utility(call)
@@ -441,7 +442,7 @@ def run_rank(config: EngineConfig, *, extra_eos_token_ids: tuple[int, ...],
             trace = TraceWriter(config.dp_trace, dp_rank=info.dp_rank, dp_size=info.dp_size,
                                 policy=prefill.policy.name, generation=info.restart_count)
         eplb = None
-        if config.enable_eplb:
+        if config.resolved_record_expert_load():  # EPLB's counting, moving or not
             from atom.dp.eplb.manager import EplbManager
 
             eplb = EplbManager(config, core.worker.model, expert_parallel, rank=info.dp_rank,

@@ -10,8 +10,9 @@ by rank are written ``rank 0 / rank 1 / ...``::
     dummy 0 / 1, TBO 1 / 1; prefill policy delayer: 0 holds (hold rate 0.00, longest 0 ticks)
 
 (one line). With EPLB the layout reads ``EP 4 experts + 2 redundant slots (3 a rank), EPLB 2
-rebalance(s), last balancedness 0.97``. The prefill policy's counters are the group's
-(identical on every rank).
+rebalance(s), last balancedness 0.97``; with ``--record-expert-load`` alone ``EP 4 experts (2
+a rank, expert load balancedness 0.62)``, the last closed window's. The prefill policy's
+counters are the group's (identical on every rank).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def _expert_layout(config: EngineConfig, num_experts: int | None, rank_stats: li
     sizes = [end - start for start, end in (expert_range(num_experts, rank, num_ranks)
                                             for rank in range(num_ranks))]
     per = f"{sizes[0]} a rank" if len(set(sizes)) == 1 else " / ".join(map(str, sizes))
+    if config.record_expert_load:  # the window's figure, identical on every rank
+        balancedness = rank_stats[0].get("eplb_balancedness")
+        per += ", expert load balancedness " + ("none (no window closed)" if balancedness is None
+                                                 else f"{balancedness:.2f}")
     return f"EP {num_experts} experts ({per})"
 
 

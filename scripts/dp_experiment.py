@@ -12,9 +12,12 @@ Workload (token-id prompts, seeded, identical for every configuration):
 Configurations: every ``--prefill-policy`` (none, delayer, coalescer) × every
 ``--prefill-decode-interval`` (0 = off); with ``--moe-split-experts E`` the model is the
 checkable model (a) of docs/ARCHITECTURE.md (the embedded model's MLPs split into E experts, sharded over the ranks: every MoE
-layer exchanges tokens between the ranks), and each configuration runs with two-batch overlap
-off and on. Each runs the same workload on ``--dp-size`` real EngineCore processes. Measured
-(the step counters come from the batch-shape exchange, so every rank counts the same):
+layer exchanges tokens between the ranks), and with ``--enable-expert-parallel`` a real MoE
+folder's experts are sharded over the ranks; either way each configuration runs with
+two-batch overlap off and on. Prompt token ids are drawn inside the model's vocabulary
+(:func:`atom.dp.sim.workload.vocab_range`: ids 100-19999, cut at a smaller vocabulary). Each
+runs the same workload on ``--dp-size`` real EngineCore processes. Measured (the step
+counters come from the batch-shape exchange, so every rank counts the same):
 
 - mixed-step fraction: forward steps where some rank prefills and another does not, over all
   forward steps (in an expert-parallel model the decode-only ranks wait for the prefill);
@@ -49,6 +52,8 @@ same run, and step counts across runs.
     python scripts/dp_experiment.py --moe-split-experts 4 --prefill-policy none delayer \
         --prefill-decode-interval 0 --output-json results/dp_experiment_moe.json
     python scripts/dp_experiment.py --clock tick --output-json results/dp_experiment_tick.json
+    python scripts/dp_experiment.py --model ./tiny-qwen3-moe --enable-expert-parallel \
+        --prefill-policy delayer --prefill-decode-interval 0
     python scripts/dp_experiment.py --repeats 3 --output-json results/dp_experiment_x3.json
 """
 
@@ -67,6 +72,7 @@ from atom.dp.dp_trace import read_trace, to_perfetto
 from atom.dp.sim import workload
 from atom.dp.sim.metrics import format_table, summary
 from atom.dp.sim.replay import run_real
+from atom.engine.liveness import EngineStartError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
                    help="a Hugging Face model folder or GGUF file (default: the embedded "
-                        "SmolLM2-135M); the workload's token ids must fit its vocabulary "
-                        "(ids 100-19999)")
+                        "SmolLM2-135M); the workload's token ids are drawn inside its "
+                        "vocabulary (ids 100-19999, cut at a smaller one)")
     p.add_argument("--dp-size", type=int, default=2, help="DP ranks (real engine-core processes)")
     p.add_argument("--dtype", default="float32", help="model dtype")
     p.add_argument("--num-kv-blocks", type=int, default=32, help="per rank, 16 tokens each")
@@ -106,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="E > 0: the model with every MLP split into E experts (model "
                         "(a) of docs/ARCHITECTURE.md), experts sharded over the ranks (expert parallelism), and "
                         "every configuration run with TBO off and on")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard a real MoE model's experts over the ranks (expert "
+                        "parallelism), and run every configuration with TBO off and on")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
                    help="run every configuration with speculative decoding (its verify steps "
                         "are counted as spec steps); default off")
@@ -124,7 +133,7 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(name, EngineConfig options) of every configuration to run, in order."""
     base = dict(model=args.model, data_parallel_size=args.dp_size, dtype=args.dtype,
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                max_model_len=1024, enable_prefix_caching=False,
+                max_model_len=1024, enable_prefix_caching=False, skip_tokenizer_init=True,
                 prefill_delayer_max_delay_passes=args.max_delay_passes)
     if args.speculative_method is not None:
         base.update(speculative_method=args.speculative_method,
@@ -133,10 +142,10 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict]]:
             base.update(draft_num_layers=args.draft_num_layers)
     policies = [(f"{policy}, interval {n}", dict(prefill_policy=policy, prefill_decode_interval=n))
                 for policy in args.prefill_policy for n in args.prefill_decode_interval]
-    if not args.moe_split_experts:
+    if not (args.moe_split_experts or args.enable_expert_parallel):
         return [(name, {**base, **options}) for name, options in policies]
-    # model (a) with its experts over the ranks; TBO off and on
-    base.update(moe_split_experts=args.moe_split_experts, enable_expert_parallel=True)
+    # model (a), or a real MoE, with its experts over the ranks; TBO off and on
+    base.update(moe_split_experts=args.moe_split_experts or None, enable_expert_parallel=True)
     return [(f"{name}, TBO {'on' if tbo else 'off'}", {**base, **options, "enable_tbo": tbo})
             for name, options in policies for tbo in (False, True)]
 
@@ -148,10 +157,28 @@ def write_trace_views(folder: pathlib.Path, name: str) -> None:
     dp_trace.plot(traces, folder / "timeline.png", title=name)
 
 
+def model_vocab_size(model: str | None) -> int | None:
+    """The vocabulary of a Hugging Face folder (its config.json's ``vocab_size``, or its
+    ``text_config``'s); None for the embedded model and GGUF files (their vocabularies hold
+    the default ids: the embedded one has 49152 tokens; a run still checks every id).
+
+    Raises:
+        ValueError: a folder whose config.json names no vocabulary size.
+    """
+    if model is None or not pathlib.Path(model, "config.json").is_file():
+        return None
+    hf_config = json.loads(pathlib.Path(model, "config.json").read_text())
+    size = hf_config.get("vocab_size") or (hf_config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int):
+        raise ValueError(f"{model}/config.json has no vocab_size: the workload's token ids "
+                         f"must be drawn inside the vocabulary")
+    return size
+
+
 def make_workload(args: argparse.Namespace) -> list[workload.TraceRequest]:
     """The experiment's workload (:func:`atom.dp.sim.workload.dp_experiment`) on the chosen
-    clock."""
-    return workload.dp_experiment(
+    clock, its token ids inside ``--model``'s vocabulary."""
+    return workload.dp_experiment(vocab_size=model_vocab_size(args.model),
         clock=args.clock, burst_interval=(args.burst_interval_s if args.clock == "time"
                                           else args.burst_interval_ticks),
         pressure_prompts=args.pressure_prompts, pressure_prompt_len=args.pressure_prompt_len,
@@ -284,10 +311,13 @@ def details_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats {args.repeats} must be at least 1")
+def run_all(args: argparse.Namespace) -> list[dict]:
+    """Every configuration, ``--repeats`` times each, on real ranks: their aggregated results.
+
+    Raises:
+        ValueError: options the engine refuses, or a workload outside the model's vocabulary.
+        EngineStartError: a rank failed to start (one line naming it and the cause).
+    """
     requests = make_workload(args)
     classes = request_classes(requests)
     results = []
@@ -306,6 +336,17 @@ def main(argv: list[str] | None = None) -> int:
                        peak_kv_usage=peak_kv_usage(folder))
             runs.append(run)
         results.append(aggregate(runs))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats} must be at least 1")
+    try:
+        results = run_all(args)
+    except (ValueError, EngineStartError) as exc:  # what to change, in one line
+        raise SystemExit(f"dp_experiment.py: error: {exc}") from None
     warnings = warnings_for(results)
     medians = " (medians of the runs)" if args.repeats > 1 else ""
     print(f"{format_table(results)}\n\nWho paid{medians}:\n\n{details_table(results)}")

@@ -311,7 +311,7 @@ class LLMEngine:
         dispatched); zeros before the first window closes. Recovers as :meth:`get_stats`.
 
         Raises:
-            ValueError: EPLB is off (``enable_eplb``).
+            ValueError: neither ``record_expert_load`` nor ``enable_eplb`` is on.
             EngineDeadError: the deployment cannot go on.
         """
         return sum(_as_array(r) for r in self._eplb_utility("get_expert_load"))
@@ -322,7 +322,7 @@ class LLMEngine:
         DP size`` slots). Recovers as :meth:`get_stats`.
 
         Raises:
-            ValueError: EPLB is off (``enable_eplb``).
+            ValueError: neither ``record_expert_load`` nor ``enable_eplb`` is on.
             RuntimeError: the ranks report different placements (they must never).
             EngineDeadError: the deployment cannot go on.
         """
@@ -332,9 +332,10 @@ class LLMEngine:
         return placements[0]
 
     def _eplb_utility(self, method: str) -> list[dict]:
-        if not self.config.enable_eplb:
-            raise ValueError(f"{method} reads EPLB's state: start the engine with enable_eplb "
-                             f"(--enable-eplb; it needs data and expert parallelism)")
+        if not self.config.resolved_record_expert_load():
+            raise ValueError(f"{method} reads the expert load: start the engine with "
+                             f"record_expert_load (--record-expert-load) or enable_eplb "
+                             f"(--enable-eplb); both need data and expert parallelism")
         return self._call_recovering(lambda: self.client.call_utility_per_rank(method))
 
     def reset_prefix_cache(self) -> bool:

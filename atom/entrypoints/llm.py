@@ -109,23 +109,25 @@ class LLM:
     def get_rank_stats(self) -> list[dict]:
         """Each DP rank's stats (those of :meth:`get_stats` plus tick, wave, dummy steps,
         collective count and hash, prefill policy counters, the router's counters for the
-        rank; with EPLB ``eplb_balancedness`` of the last closed window, ``eplb_num_rebalances``,
+        rank; with EPLB or ``record_expert_load`` ``eplb_balancedness`` of the last closed
+        window and ``eplb_num_windows``, with EPLB also ``eplb_num_rebalances``,
         the last rebalance's ``eplb_last_plan_ms`` and ``eplb_last_move_ms``); one rank:
         ``[get_stats()]``."""
         return self._engine.get_rank_stats()
 
     def get_expert_load(self):
-        """EPLB (``enable_eplb``): the tokens routed to each logical expert in the last closed
-        window (``eplb_window_size`` ticks before the last rebalance tick), summed over the DP
+        """EPLB (``enable_eplb``) or ``record_expert_load``: the tokens routed to each logical
+        expert in the last closed window (``eplb_window_size`` ticks before the end of the last
+        ``eplb_step_interval``), summed over the DP
         ranks: int64 numpy ``[MoE layers, experts]``, zeros before the first window closes.
         A recorded load for the simulator's skew model (``atom sim run --routing-load``, saved
-        with ``numpy.save``). Raises ValueError when EPLB is off."""
+        with ``numpy.save``). Raises ValueError when neither is on."""
         return self._engine.get_expert_load()
 
     def get_expert_placement(self):
-        """EPLB (``enable_eplb``): the current placement, the logical expert of each physical
-        slot, int64 numpy ``[MoE layers, slots]`` (rank ``r`` owns the ``r``-th run of
-        ``slots / DP size``). Raises ValueError when EPLB is off."""
+        """EPLB (``enable_eplb``) or ``record_expert_load``: the current placement, the logical
+        expert of each physical slot, int64 numpy ``[MoE layers, slots]`` (rank ``r`` owns the
+        ``r``-th run of ``slots / DP size``). Raises ValueError when neither is on."""
         return self._engine.get_expert_placement()
 
     def reset_prefix_cache(self) -> bool:

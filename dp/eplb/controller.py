@@ -21,6 +21,8 @@ every rank (integer sums; the plan's ties broken by index):
 
 - the window's **balancedness** (Σ_layers mean-over-ranks / Σ_layers max-over-ranks of the
   ranks' routed tokens, vLLM's definition) under the placement it ran on;
+- recording only (``rebalance=False``: ``record_expert_load`` without ``enable_eplb``): the
+  placement stays, whatever the balancedness;
 - at or above ``eplb_min_balancedness`` (or nothing routed): the placement stays;
 - else DeepSeek's plan (:func:`atom.dp.eplb.plan.rebalance`) on the window's logical loads;
   it replaces the placement when it predicts a balancedness on those loads at least
@@ -100,14 +102,19 @@ class EplbController:
         num_logical: experts of each layer.
         num_ranks: ranks of the EP group.
         num_groups, num_nodes: the plan's hierarchical mode (:func:`~atom.dp.eplb.plan.rebalance`).
+        rebalance: False = record and measure the windows only, never move an expert.
     Raises:
         ValueError: the physical slots (experts + redundant) are not a multiple of the ranks.
     """
 
     def __init__(self, *, window_size: int, step_interval: int, min_balancedness: float,
                  num_redundant: int, num_layers: int, num_logical: int, num_ranks: int,
-                 num_groups: int = 1, num_nodes: int = 1):
+                 num_groups: int = 1, num_nodes: int = 1, rebalance: bool = True):
         self.num_physical = num_logical + num_redundant
+        if self.num_physical % num_ranks and not rebalance:
+            raise ValueError(f"record_expert_load: {num_logical} experts do not divide by the "
+                             f"{num_ranks} ranks (the window counts each rank's share of "
+                             f"equal slots): pick a DP size that divides {num_logical}")
         if self.num_physical % num_ranks:
             raise ValueError(f"EPLB: {num_logical} experts + {num_redundant} redundant slots = "
                              f"{self.num_physical} slots per layer, not a multiple of the "
@@ -115,6 +122,7 @@ class EplbController:
                              f"sum divides by the DP size")
         self.window_size, self.step_interval = window_size, step_interval
         self.min_balancedness = min_balancedness
+        self.rebalance = rebalance
         self.num_layers, self.num_logical, self.num_ranks = num_layers, num_logical, num_ranks
         self.num_groups, self.num_nodes = num_groups, num_nodes
         self.plan = EplbPlan.from_phy2log(
@@ -128,10 +136,12 @@ class EplbController:
     @classmethod
     def from_config(cls, config, **sizes) -> EplbController:
         """From an :class:`~atom.config.EngineConfig`'s ``eplb_*`` fields and the model's
-        ``sizes`` (the other keyword arguments)."""
+        ``sizes`` (the other keyword arguments); it rebalances only with ``enable_eplb``
+        (``record_expert_load`` alone records)."""
         return cls(window_size=config.eplb_window_size, step_interval=config.eplb_step_interval,
                    min_balancedness=config.eplb_min_balancedness,
-                   num_redundant=config.eplb_num_redundant_experts, **sizes)
+                   num_redundant=config.eplb_num_redundant_experts,
+                   rebalance=config.enable_eplb, **sizes)
 
     @property
     def slots_per_rank(self) -> int:
@@ -175,7 +185,7 @@ class EplbController:
         ranks = totals[split:].reshape(self.num_layers, self.num_ranks)
         measured = balancedness(ranks)
         plan = predicted = None
-        if measured < self.min_balancedness:
+        if self.rebalance and measured < self.min_balancedness:
             plan = rebalance(logical, num_physical=self.num_physical, num_ranks=self.num_ranks,
                              num_groups=self.num_groups, num_nodes=self.num_nodes)
             predicted = balancedness(rank_loads(logical, plan, self.num_ranks))

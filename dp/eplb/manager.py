@@ -17,6 +17,10 @@ interval (:mod:`atom.dp.eplb.controller`), in the same tick on every rank:
 3. the move, layer by layer (:mod:`atom.dp.eplb.move`), and the maps switched: the next step
    runs the new placement on every rank.
 
+With ``record_expert_load`` and EPLB off the manager is the same with the controller's
+``rebalance`` off: it counts, all-reduces and measures every window at the same ticks (the
+collectives of a run with EPLB on and a placement that never changes), and moves nothing.
+
 Group-limited routing (DeepSeek-V3's ``n_group``): a family whose MoE layers carry
 ``num_expert_groups`` > 1 gets the plan's hierarchical mode (groups packed onto nodes, the
 nodes counted from ``LOCAL_WORLD_SIZE``).
@@ -66,7 +70,7 @@ class EplbManager:
                  num_nodes: int = 1, timeout_s: float = 600.0, trace=None):
         self.layers: list[MoE] = moe_layers(model)
         if not self.layers:
-            raise ValueError("EPLB needs an MoE model")
+            raise ValueError("EPLB and record_expert_load need an MoE model")
         num_logical = self.layers[0].num_experts
         self.rank, self.world_size, self.trace = rank, world_size, trace
         self._log = rank_logger(logger, rank)
@@ -204,14 +208,18 @@ class EplbManager:
         rebalance's ``eplb_last_plan_ms`` / ``eplb_last_move_ms`` / ``eplb_last_move_bytes``
         (this rank's clock and bytes), and the rebalances' seconds
         (``eplb_rebalance_seconds_sum``, ``eplb_rebalance_seconds_buckets``: counts per bucket
-        of :data:`~atom.dp.eplb.controller.REBALANCE_SECONDS_BUCKETS`, the last one above)."""
+        of :data:`~atom.dp.eplb.controller.REBALANCE_SECONDS_BUCKETS`, the last one above).
+        Recording only (``record_expert_load``): the first two and the balancedness."""
         c = self.controller
         out: dict[str, int | float | list[int]] = {
-            "eplb_step": c.step, "eplb_num_windows": c.step // c.step_interval,
-            "eplb_num_rebalances": c.num_rebalances, "eplb_last_plan_ms": self.last_plan_ms,
-            "eplb_last_move_ms": self.last_move_ms, "eplb_last_move_bytes": self.last_move_bytes,
-            "eplb_rebalance_seconds_sum": self.rebalance_seconds_sum,
-            "eplb_rebalance_seconds_buckets": list(self.rebalance_seconds_buckets)}
+            "eplb_step": c.step, "eplb_num_windows": c.step // c.step_interval}
+        if c.rebalance:
+            out.update({
+                "eplb_num_rebalances": c.num_rebalances, "eplb_last_plan_ms": self.last_plan_ms,
+                "eplb_last_move_ms": self.last_move_ms,
+                "eplb_last_move_bytes": self.last_move_bytes,
+                "eplb_rebalance_seconds_sum": self.rebalance_seconds_sum,
+                "eplb_rebalance_seconds_buckets": list(self.rebalance_seconds_buckets)})
         if c.last_window is not None:
             out["eplb_balancedness"] = c.last_window.balancedness
         return out

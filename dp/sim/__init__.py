@@ -83,10 +83,11 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
         profile_name = str(profile or default_profile_name(config))
         profile = load_profile(profile_name)
     facts = profile.model_facts
-    if config.enable_eplb and routing is None:
-        raise ValueError("EPLB in the simulator balances routed tokens: give it a routing "
-                         "source (atom.dp.sim.experts: ExpertPopularity.zipf or .read, or "
-                         "RecordedExpertLoad.from_trace)")
+    if config.resolved_record_expert_load() and routing is None:
+        raise ValueError("EPLB and record_expert_load in the simulator count routed tokens: "
+                         "give it a routing source (atom.dp.sim.experts: ExpertPopularity.zipf "
+                         "or .read, or RecordedExpertLoad.from_trace; --routing-zipf or "
+                         "--routing-load)")
     if routing is not None and not config.enable_expert_parallel:
         raise ValueError("a routing skew costs time only under expert parallelism (without it "
                          "every rank computes every expert): set enable_expert_parallel "

@@ -48,7 +48,7 @@ import numpy as np
 
 from atom.config import EngineConfig, resolve_num_threads
 from atom.dp.sim.cost_model import Coefficients, CostModel, MicroBatch, Profile, micro_batch
-from atom.dp.sim.workload import VOCAB_RANGE, TraceRequest, bursty, synthetic_prompt
+from atom.dp.sim.workload import TraceRequest, bursty, synthetic_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -85,21 +85,23 @@ def machine_info(num_threads: int) -> dict:
     return {"cpu": cpu, "flags": flags, "num_threads": num_threads, "platform": platform.platform()}
 
 
-def _entries(point: dict, block_manager) -> list:
-    """Sequences with blocks for ``point`` (module docstring), as scheduler entries."""
+def _entries(point: dict, block_manager, vocab_size: int) -> list:
+    """Sequences with blocks for ``point`` (module docstring), as scheduler entries; token ids
+    inside a vocabulary of ``vocab_size``."""
     from atom.sampling_params import SamplingParams
     from atom.core.sequence import Sequence
 
     entries, params = [], SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     for i, (n, ctx) in enumerate(point.get("prefill", [])):
-        seq = Sequence(f"p{i}", list(synthetic_prompt(f"p{i}", ctx + n)), params,
-                       num_computed_tokens=ctx)
+        prompt = synthetic_prompt(f"p{i}", ctx + n, vocab_size=vocab_size)
+        seq = Sequence(f"p{i}", list(prompt), params, num_computed_tokens=ctx)
         block_manager.allocate(seq)
         entries.append((seq, n))
     num_decodes, ctx = point.get("decode", (0, 0))
     for i in range(num_decodes):
         # one output token after the prompt, all but it computed: the next step decodes
-        seq = Sequence(f"d{i}", [*synthetic_prompt(f"d{i}", ctx - 1), 100], params,
+        seq = Sequence(f"d{i}", [*synthetic_prompt(f"d{i}", ctx - 1, vocab_size=vocab_size),
+                                 min(100, vocab_size - 1)], params,
                        num_prompt_tokens=ctx - 1, num_computed_tokens=ctx - 1)
         block_manager.allocate(seq)
         entries.append((seq, 1))
@@ -128,14 +130,14 @@ class _MLPTimer:
             h.remove()
 
 
-def _run_point(worker, block_manager, point: dict, timer: _MLPTimer
+def _run_point(worker, block_manager, point: dict, timer: _MLPTimer, vocab_size: int
                ) -> tuple[float, float, list[MicroBatch]]:
     """One timed ``Worker.execute_model`` (forward + sampling) of ``point``: seconds, MLP
     seconds, its micro-batches."""
     from atom.core.scheduler import SchedulerOutput
     from atom.core.tbo_split import split_batch
 
-    entries = _entries(point, block_manager)
+    entries = _entries(point, block_manager, vocab_size)
     tbo = point.get("tbo", False)
     parts = split_batch(entries) if tbo else [[(seq, 0, n) for seq, n in entries]]
     try:
@@ -170,7 +172,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
     pool is the grid's): a warm-up round, then ``repeats`` rounds over the whole grid (so a
     burst of load from other processes spreads over the points instead of skewing one), the
     median per point. Returns one dict per point and the model's facts (KV bytes per token,
-    context length, experts)."""
+    context length, experts, vocabulary: the synthetic token ids are drawn inside it)."""
     from atom.core.block_manager import BlockManager
     from atom.worker.worker import Worker
 
@@ -179,11 +181,6 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         prefill_policy=None, prefill_decode_interval=0, enable_expert_parallel=False,
         dp_trace=None, dp_load_balance="least_requests", max_model_len=2048))
     runtime = worker.runtime
-    if runtime.vocab_size < VOCAB_RANGE[1]:
-        worker.close()
-        raise ValueError(f"atom sim calibrate draws token ids from {VOCAB_RANGE}: "
-                         f"{config.model}'s vocabulary of {runtime.vocab_size} tokens is "
-                         f"smaller; calibrate on a model with at least {VOCAB_RANGE[1]}")
     block_manager = BlockManager(runtime.num_kv_blocks, config.block_size,
                                  enable_prefix_caching=False)
     _fill_kv_pool(worker)
@@ -192,7 +189,7 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         runs: list[list[tuple]] = [[] for _ in grid]
         for round_ in range(repeats + 1):
             for i, point in enumerate(grid):
-                run = _run_point(worker, block_manager, point, timer)
+                run = _run_point(worker, block_manager, point, timer, runtime.vocab_size)
                 if round_:
                     runs[i].append(run)
             logger.info("calibration grid: round %d of %d done", round_, repeats)
@@ -200,7 +197,8 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
         facts = {"kv_cache_bytes_per_token": runtime.kv_cache_bytes
                  // (runtime.num_kv_blocks * config.block_size),
                  "max_position_embeddings": arch.max_position_embeddings,
-                 "num_experts": runtime.num_experts, "architecture": arch.architecture}
+                 "num_experts": runtime.num_experts, "architecture": arch.architecture,
+                 "vocab_size": runtime.vocab_size}
     finally:
         timer.remove()
         worker.close()
@@ -287,14 +285,14 @@ def fit_grid(measurements: list[dict]) -> tuple[dict, dict]:
     return coefficients, {**rel_errors(predicted, t), "points": points}
 
 
-def calibration_bursts() -> list[TraceRequest]:
+def calibration_bursts(vocab_size: int | None = None) -> list[TraceRequest]:
     """The first part of :func:`calibration_workload` (ticks 0-36; the whole of it before run G
     of docs/DP_EXPERIMENTS.md, so run A's committed profiles were fitted on it alone)."""
     return bursty(num_requests=16, burst_size=4, burst_interval=12, clock="tick",
-                  prompt_len=(16, 320), output_len=(4, 24), seed=7)
+                  prompt_len=(16, 320), output_len=(4, 24), seed=7, vocab_size=vocab_size)
 
 
-def calibration_workload() -> list[TraceRequest]:
+def calibration_workload(vocab_size: int | None = None) -> list[TraceRequest]:
     """The group fit's workload (tick-clocked; not the experiment's, which the accuracy
     benchmark checks), three kinds of ticks so the level and the contention separate:
 
@@ -309,12 +307,16 @@ def calibration_workload() -> list[TraceRequest]:
     Fitted on the first kind alone, the level and the contention trade off against each other
     (every tick had the ranks computing together): on an AVX2 Zen 3 the dense fit came out
     0.83 and 0.27 and under-predicted the experiment's prefill ticks of one rank beside
-    another's decodes by 10-20 % (docs/DP_EXPERIMENTS.md, run G)."""
+    another's decodes by 10-20 % (docs/DP_EXPERIMENTS.md, run G).
+
+    Token ids inside a vocabulary of ``vocab_size`` (:func:`atom.dp.sim.workload.vocab_range`:
+    the same workload for any vocabulary of 20000 tokens or more, and for None)."""
     def pinned(request_id: str, prompt_len: int, output_len: int, rank: int, tick: int):
-        return TraceRequest(request_id, synthetic_prompt(request_id, prompt_len), output_len,
+        return TraceRequest(request_id, synthetic_prompt(request_id, prompt_len,
+                                                         vocab_size=vocab_size), output_len,
                             arrival_tick=tick, dp_rank=rank)
 
-    together = calibration_bursts()
+    together = calibration_bursts(vocab_size)
     alone = [pinned(f"a{i}", n, 3, 0, 90 + 6 * i) for i, n in enumerate((48, 96, 160, 224, 288))]
     beside = ([pinned(f"d{i}", 32, 30, 1, 120) for i in range(7)]
               + [pinned(f"p{i}", n, 3, 0, 124 + 6 * i) for i, n in enumerate((64, 128, 192, 256))])
@@ -435,7 +437,7 @@ def fit_all(config: EngineConfig, measurements: list[dict], facts: dict,
     group replays' (``runs``: :func:`measure_group`'s per part of :func:`_group_configs`;
     empty: no group terms). Returns the coefficients and the fits' errors by part."""
     coefficients, grid_fit = fit_grid(measurements)
-    fit, requests = {"grid": grid_fit}, calibration_workload()
+    fit, requests = {"grid": grid_fit}, calibration_workload(facts.get("vocab_size"))
     for part, group_config in _group_configs(config).items():
         if part in runs:
             terms, fit[part] = fit_group(group_config, coefficients, facts, requests,
@@ -459,7 +461,8 @@ def refit(profile: Profile, config: EngineConfig) -> Profile:
         raise ValueError("this profile does not keep its grid's micro-batches: calibrate again")
     measurements = [{"point": p["point"], "seconds": p["measured_s"], "mlp_seconds": p["mlp_s"],
                      "micro_batches": p["micro_batches"]} for p in points]
-    runs, digest = {}, workload_digest(calibration_workload())
+    runs = {}
+    digest = workload_digest(calibration_workload(profile.model_facts.get("vocab_size")))
     for part in _group_configs(config):
         if part in profile.fit:
             if "tick_seconds" not in profile.fit[part]:
@@ -476,25 +479,32 @@ def refit(profile: Profile, config: EngineConfig) -> Profile:
     return dataclasses.replace(profile, coefficients=Coefficients(**coefficients), fit=fit)
 
 
-def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> Profile:
+def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True,
+              group_replays: int = GROUP_REPLAYS) -> Profile:
     """Measure and fit (module docstring). ``config``: the deployment to calibrate for
     (``data_parallel_size`` ranks, model, dtype, ``moe_split_experts``, expert parallelism;
     ``num_threads`` unset = the per-rank share of this machine's cores); ``group=False``
-    skips the real DP run (the per-tick and EP terms stay 0).
+    skips the real DP run (the per-tick and EP terms stay 0); ``group_replays``: real replays
+    per group fit (each tick's median).
 
     Raises:
-        ValueError: a config that cannot run (e.g. expert parallelism without experts).
+        ValueError: a config that cannot run (e.g. expert parallelism without experts), or
+            ``group_replays`` below 1.
         RuntimeError: a real rank failed, or the simulated replay diverged from the real one.
     """
+    if group_replays < 1:
+        raise ValueError(f"--group-replays {group_replays}: use at least 1 (default "
+                         f"{GROUP_REPLAYS})")
     threads = resolve_num_threads(config.num_threads, num_local_ranks=config.data_parallel_size)
-    config = dataclasses.replace(config, num_threads=threads)
+    # token-id workloads only: a folder without tokenizer files calibrates too
+    config = dataclasses.replace(config, num_threads=threads, skip_tokenizer_init=True)
     start = time.monotonic()
     measurements, facts = measure_grid(config, repeats=repeats)
     runs = {}
     if group:
-        requests = calibration_workload()
+        requests = calibration_workload(facts["vocab_size"])
         for part, group_config in _group_configs(config).items():
-            runs[part] = measure_group(group_config, requests)
+            runs[part] = measure_group(group_config, requests, replays=group_replays)
     coefficients, fit = fit_all(config, measurements, facts, runs)
     model = config.model or "embedded SmolLM2-135M-Instruct"
     if config.moe_split_experts:
@@ -506,6 +516,6 @@ def calibrate(config: EngineConfig, *, repeats: int = 3, group: bool = True) -> 
         model_facts=facts, fit=fit,
         notes=(f"atom sim calibrate: grid of {len(measurements)} batches x {repeats} repeats "
                f"(median) on one in-process core, {threads} thread(s); group terms from a "
-               f"tick-clocked replay ({GROUP_REPLAYS} runs) on {config.data_parallel_size} real "
+               f"tick-clocked replay ({group_replays} runs) on {config.data_parallel_size} real "
                f"ranks{', then with expert parallelism' if config.enable_expert_parallel else ''}; "
                f"{time.monotonic() - start:.0f} s"))

@@ -116,12 +116,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         windows = experts.get("windows", [])
         eplb = ""
         if windows:
-            eplb = (f"; EPLB windows {len(windows)}, balancedness first "
-                    f"{windows[0]['balancedness']:.3f}, last {windows[-1]['balancedness']:.3f}, "
-                    f"{experts['num_rebalances']} rebalance(s)")
-        elif config.enable_eplb:
-            eplb = (f"; EPLB never acted: the run's {result['num_steps']} steps ended before "
-                    f"the first window closed, at step {config.eplb_step_interval} "
+            eplb = (f"; {'EPLB' if config.enable_eplb else 'expert load'} windows "
+                    f"{len(windows)}, balancedness first {windows[0]['balancedness']:.3f}, last "
+                    f"{windows[-1]['balancedness']:.3f}"
+                    + (f", {experts['num_rebalances']} rebalance(s)" if config.enable_eplb
+                       else ""))
+        elif config.resolved_record_expert_load():
+            eplb = (f"; {'EPLB' if config.enable_eplb else 'the expert load'} never acted: "
+                    f"the run's {result['num_steps']} steps ended before the first window closed, at step {config.eplb_step_interval} "
                     f"(--eplb-step-interval; shorten it and --eplb-window-size, or run longer)")
         print(f"experts: mean step imbalance {experts['mean_imbalance']:.2f}{eplb}")
     if args.output_json:
@@ -155,7 +157,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from atom.dp.sim.calibrate import calibrate
 
-    profile = calibrate(config_from_args(args), repeats=args.repeats, group=args.group)
+    replays = {} if args.group_replays is None else {"group_replays": args.group_replays}
+    profile = calibrate(config_from_args(args), repeats=args.repeats, group=args.group,
+                        **replays)
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
@@ -237,6 +241,9 @@ def add_sim_parser(sub, fmt) -> None:
     cal.add_argument("--repeats", type=int, default=3, help="timed rounds over the grid")
     cal.add_argument("--group", action=argparse.BooleanOptionalAction, default=True,
                      help="also fit the per-tick and EP terms on a short real DP run")
+    cal.add_argument("--group-replays", type=int, default=None,
+                     help="real replays per group fit, each tick's median (default: "
+                          "atom.dp.sim.calibrate.GROUP_REPLAYS; fewer: quicker, noisier)")
     cal.add_argument("--output", default="results/sim_profile.json")
     cal.set_defaults(func=cmd_calibrate, data_parallel_size=2, dtype="float32")
 

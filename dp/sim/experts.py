@@ -12,7 +12,8 @@ Three parts, torch-free:
 - **the placement**: the contiguous one expert parallelism loads, or, with ``enable_eplb``,
   EPLB's own :class:`~atom.dp.eplb.controller.EplbController`, fed the group's counts (the sum
   the real ranks' all-reduce makes) at the same steps, closing the same windows and computing
-  the same plans as the real ranks (:class:`SimExperts`);
+  the same plans as the real ranks (:class:`SimExperts`); with ``record_expert_load`` alone the
+  same controller records and measures the windows and keeps the contiguous placement;
 - **the cost**: every MoE layer's combine waits for the rank with the most routed tokens, so
   the step's expert compute is that of the busiest rank of each layer: the cost model's MLP
   rows are scaled by the step's **imbalance**, Σ_layers max-over-ranks / Σ_layers
@@ -190,7 +191,7 @@ class SimExperts:
         self.controller = (EplbController.from_config(config, num_layers=num_layers,
                                                       num_logical=num_experts,
                                                       num_ranks=num_ranks)
-                           if config.enable_eplb else None)
+                           if config.resolved_record_expert_load() else None)
         if self.controller is not None:
             num_slots = self.controller.num_physical
             self._slot_rank = np.arange(num_slots) // self.controller.slots_per_rank

@@ -48,12 +48,14 @@ def run_real(workload: Sequence[TraceRequest], config: EngineConfig, *, name: st
     > 1; set ``dp_trace`` for the per-tick trace) and return its result dict.
 
     Raises:
-        ValueError: a mixed-clock workload, or one rank (tick-clocked needs DP).
+        ValueError: a mixed-clock workload, one rank (tick-clocked needs DP), or prompt token
+            ids outside the model's vocabulary.
         RuntimeError: a request failed, or the ranks did not go idle after the last finish.
     """
     clock = workload_clock(workload)
     engine = build_dp_engine(config)
     try:
+        check_vocabulary(workload, engine.runtime.vocab_size, model=config.model)
         finished, token_times, elapsed_s = drive(engine, workload, tick_clocked=clock == "tick")
         errors = [o.outputs[0].error for o in finished.values()
                   if o.outputs[0].finish_reason not in ("length", "stop")]
@@ -63,6 +65,17 @@ def run_real(workload: Sequence[TraceRequest], config: EngineConfig, *, name: st
     finally:
         engine.shutdown()
     return real_result(name, config, finished, token_times, ranks, elapsed_s)
+
+
+def check_vocabulary(workload: Sequence[TraceRequest], vocab_size: int, *, model) -> None:
+    """Raise ValueError (one line: what to change) when a prompt token id of ``workload`` is
+    outside ``[0, vocab_size)``, the vocabulary of ``model`` (a path, None = embedded)."""
+    bad = next(((r.request_id, t) for r in workload for t in r.prompt_token_ids
+                if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"request {bad[0]}'s prompt has token id {bad[1]}, outside "
+                         f"{model or 'the embedded model'}'s vocabulary of {vocab_size} tokens: "
+                         f"draw the workload with vocab_size={vocab_size} (atom.dp.sim.workload)")
 
 
 def drive(engine, workload: Sequence[TraceRequest], *, tick_clocked: bool):

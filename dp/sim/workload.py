@@ -94,10 +94,30 @@ def with_outputs(requests: Sequence[TraceRequest], outputs: dict[str, Sequence[i
             for r in requests]
 
 
-def synthetic_prompt(request_id: str, length: int) -> tuple[int, ...]:
-    """``length`` token ids drawn from a generator seeded by ``request_id`` (reproducible)."""
+def vocab_range(vocab_size: int | None = None) -> tuple[int, int]:
+    """The synthetic token ids ``[low, high)`` for a model of ``vocab_size`` tokens:
+    :data:`VOCAB_RANGE` cut at the vocabulary (the same draws wherever the vocabulary holds
+    it: the embedded model's 49152 tokens do), starting at half a vocabulary smaller than 200
+    tokens. None: :data:`VOCAB_RANGE`.
+
+    Raises:
+        ValueError: a vocabulary of fewer than 4 tokens.
+    """
+    if vocab_size is None:
+        return VOCAB_RANGE
+    if vocab_size < 4:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens leaves no synthetic token ids: "
+                         f"use a model with at least 4")
+    return min(VOCAB_RANGE[0], vocab_size // 2), min(VOCAB_RANGE[1], vocab_size)
+
+
+def synthetic_prompt(request_id: str, length: int, *,
+                     vocab_size: int | None = None) -> tuple[int, ...]:
+    """``length`` token ids drawn from a generator seeded by ``request_id`` (reproducible),
+    inside :func:`vocab_range` of ``vocab_size``."""
     rng = random.Random(request_id)
-    return tuple(rng.randrange(*VOCAB_RANGE) for _ in range(length))
+    id_range = vocab_range(vocab_size)
+    return tuple(rng.randrange(*id_range) for _ in range(length))
 
 
 def workload_clock(requests: Sequence[TraceRequest]) -> str:
@@ -159,16 +179,18 @@ def dp_experiment(*, clock: str = "time", burst_interval: float = 1.0, pressure_
                   pressure_prompt_len: int = 160, pressure_max_tokens: int = 48,
                   num_bursts: int = 6, burst_size: int = 4,
                   short_prompt_len: tuple[int, int] = (24, 64),
-                  short_max_tokens: tuple[int, int] = (8, 24), seed: int = 0
-                  ) -> list[TraceRequest]:
+                  short_max_tokens: tuple[int, int] = (8, 24), seed: int = 0,
+                  vocab_size: int | None = None) -> list[TraceRequest]:
     """``scripts/dp_experiment.py``'s workload (its defaults): ``pressure_prompts`` long
     prompts pinned to rank 0 at 0, then ``num_bursts`` bursts of ``burst_size`` short ones
     (routed), ``burst_interval`` apart (ticks or seconds, per ``clock``). Same draws as the
-    script always made (seeded ``random.Random(seed)``), so a seed is the same workload."""
+    script always made (seeded ``random.Random(seed)``), so a seed is the same workload; token
+    ids inside :func:`vocab_range` of ``vocab_size``."""
     rng = random.Random(seed)
+    id_range = vocab_range(vocab_size)
 
     def prompt(length: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(*VOCAB_RANGE) for _ in range(length))
+        return tuple(rng.randrange(*id_range) for _ in range(length))
 
     out = [TraceRequest(str(i), prompt(pressure_prompt_len), pressure_max_tokens, dp_rank=0,
                         **_arrival(clock, 0)) for i in range(pressure_prompts)]
@@ -182,11 +204,13 @@ def dp_experiment(*, clock: str = "time", burst_interval: float = 1.0, pressure_
 
 def bursty(*, num_requests: int, burst_size: int, burst_interval: float, clock: str = "time",
            prompt_len: tuple[int, int] = (64, 512), output_len: tuple[int, int] = (16, 256),
-           seed: int = 0) -> list[TraceRequest]:
+           seed: int = 0, vocab_size: int | None = None) -> list[TraceRequest]:
     """``num_requests`` routed requests in bursts of ``burst_size``, ``burst_interval``
-    apart (ticks or seconds), lengths uniform in the given ranges."""
+    apart (ticks or seconds), lengths uniform in the given ranges; token ids inside
+    :func:`vocab_range` of ``vocab_size``."""
     rng = random.Random(seed)
-    return [TraceRequest(f"b{i}", synthetic_prompt(f"{seed}-b{i}", rng.randint(*prompt_len)),
+    return [TraceRequest(f"b{i}", synthetic_prompt(f"{seed}-b{i}", rng.randint(*prompt_len),
+                                                   vocab_size=vocab_size),
                          rng.randint(*output_len),
                          **_arrival(clock, (i // burst_size) * burst_interval))
             for i in range(num_requests)]
@@ -196,18 +220,18 @@ def kv_skewed(*, num_requests: int, rate: float, clock: str = "time", skewed_ran
               skewed_fraction: float = 0.1, long_prompt_len: tuple[int, int] = (1024, 2048),
               long_output_len: tuple[int, int] = (128, 512),
               short_prompt_len: tuple[int, int] = (32, 256),
-              short_output_len: tuple[int, int] = (16, 128), seed: int = 0
-              ) -> list[TraceRequest]:
+              short_output_len: tuple[int, int] = (16, 128), seed: int = 0,
+              vocab_size: int | None = None) -> list[TraceRequest]:
     """Poisson arrivals at ``rate`` per tick or second; ``skewed_fraction`` of them long and
     pinned to ``skewed_rank`` (its KV pool fills: a KV-pressured rank), the rest short and
-    routed."""
+    routed; token ids inside :func:`vocab_range` of ``vocab_size``."""
     rng = random.Random(seed)
     out, at = [], 0.0
     for i in range(num_requests):
         long = rng.random() < skewed_fraction
         length = rng.randint(*(long_prompt_len if long else short_prompt_len))
         out.append(TraceRequest(
-            f"k{i}", synthetic_prompt(f"{seed}-k{i}", length),
+            f"k{i}", synthetic_prompt(f"{seed}-k{i}", length, vocab_size=vocab_size),
             rng.randint(*(long_output_len if long else short_output_len)),
             dp_rank=skewed_rank if long else None, **_arrival(clock, at)))
         at += rng.expovariate(rate)
@@ -217,8 +241,8 @@ def kv_skewed(*, num_requests: int, rate: float, clock: str = "time", skewed_ran
 def sessions(*, num_sessions: int, num_turns: int, turn_interval: float, clock: str = "time",
              system_prompt_len: int = 256, user_len: tuple[int, int] = (16, 64),
              output_len: tuple[int, int] = (32, 128), session_stagger: float | None = None,
-             seed: int = 0) -> list[TraceRequest]:
-    """Multi-turn chats: every session's first prompt is one shared system prompt plus a user
+             seed: int = 0, vocab_size: int | None = None) -> list[TraceRequest]:
+    """Multi-turn chats (token ids inside :func:`vocab_range` of ``vocab_size``): every session's first prompt is one shared system prompt plus a user
     message; turn k's prompt is turn k-1's prompt, its output (as the simulator generates it:
     :data:`SIM_OUTPUT_TOKEN_ID` repeated) and a new user message, so a rank that served the
     previous turn holds most of the prompt in its prefix cache. Turns of a session arrive
@@ -226,12 +250,13 @@ def sessions(*, num_sessions: int, num_turns: int, turn_interval: float, clock: 
     ``turn_interval / num_sessions``); requests carry their ``session_id``."""
     rng = random.Random(seed)
     stagger = turn_interval / num_sessions if session_stagger is None else session_stagger
-    system = synthetic_prompt(f"{seed}-system", system_prompt_len)
+    system = synthetic_prompt(f"{seed}-system", system_prompt_len, vocab_size=vocab_size)
     out = []
     for s in range(num_sessions):
         history: tuple[int, ...] = system
         for t in range(num_turns):
-            user = synthetic_prompt(f"{seed}-s{s}-u{t}", rng.randint(*user_len))
+            user = synthetic_prompt(f"{seed}-s{s}-u{t}", rng.randint(*user_len),
+                                    vocab_size=vocab_size)
             prompt = history + user
             n_out = rng.randint(*output_len)
             out.append(TraceRequest(f"s{s}-t{t}", prompt, n_out, session_id=f"s{s}",

@@ -196,3 +196,20 @@ def test_eplb_flags_and_their_checks():
             EngineConfig(**bad)
     one = EngineConfig(**on, eplb_num_redundant_experts=2).with_data_parallel_size(1)
     assert (one.enable_eplb, one.eplb_num_redundant_experts) == (False, 0)
+
+
+def test_record_expert_load_flag_and_its_checks():
+    config = _parse(["--data-parallel-size", "2", "--enable-expert-parallel",
+                     "--record-expert-load", "--eplb-window-size", "8",
+                     "--eplb-step-interval", "8"])
+    assert (config.record_expert_load, config.enable_eplb) == (True, False)
+    assert config.resolved_record_expert_load() and not EngineConfig().resolved_record_expert_load()
+    assert EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
+                        enable_eplb=True).resolved_record_expert_load()
+    with pytest.raises(ValueError, match="record_expert_load counts the experts' tokens under "
+                                         "expert parallelism: set enable_expert_parallel"):
+        EngineConfig(data_parallel_size=2, record_expert_load=True)
+    with pytest.raises(ValueError, match="record_expert_load=True needs data parallelism"):
+        EngineConfig(enable_expert_parallel=True, record_expert_load=True)
+    one = config.with_data_parallel_size(1)
+    assert (one.record_expert_load, one.enable_expert_parallel) == (False, True)

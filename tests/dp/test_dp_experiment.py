@@ -1,9 +1,11 @@
 """``scripts/dp_experiment.py`` end to end on a small tick-clocked workload with a tiny random
-Llama split into experts (sharded over 2 real ranks): both configurations (the coalescer with TBO off and on) complete,
+Mixtral of 512 tokens (a real MoE folder, no tokenizer; ``--enable-expert-parallel``: its
+experts sharded over 2 real ranks; the prompts drawn inside its vocabulary): both
+configurations (the coalescer with TBO off and on) complete,
 their counters are consistent, and each leaves its trace, Perfetto JSON and PNG (the numbers
 themselves are the script's output, not asserted; the dense workload's policy comparison is
 tests/dp/test_dp_engine_coalescer.py). Repeats, the who-paid table and the warnings from hand-made
-run results."""
+run results; what cannot run (expert parallelism on a dense model) is a one-line error."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 
+from tests.moe_utils import build_tiny_mixtral
 from tests.utils import save_tiny_llama
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "dp_experiment.py"
@@ -20,14 +23,14 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "dp_experimen
 
 def test_dp_experiment_small_run(tmp_path):
     out = tmp_path / "dp.json"
-    save_tiny_llama(tmp_path / "model", vocab_size=20000, max_position_embeddings=1024)
+    build_tiny_mixtral(tmp_path / "model")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tmp_path / "model"), "--clock", "tick",
          "--pressure-prompts", "2", "--pressure-prompt-len", "120",
          "--pressure-max-tokens", "8", "--num-bursts", "2", "--burst-size", "2",
          "--short-max-tokens", "2", "4", "--num-kv-blocks", "16",
          "--prefill-policy", "coalescer", "--prefill-decode-interval", "0",
-         "--moe-split-experts", "4", "--trace-dir", str(tmp_path / "trace"),
+         "--enable-expert-parallel", "--trace-dir", str(tmp_path / "trace"),
          "--output-json", str(out)],
         capture_output=True, text=True, timeout=900)  # liveness only
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -52,6 +55,35 @@ def test_dp_experiment_small_run(tmp_path):
         assert r["prefill_policy"] == "coalescer" and r["repeats"] == 1
         assert set(r["by_class"]) == {"pressure", "burst"} and len(r["peak_kv_usage"]) == 2
     assert [r["num_tbo_steps"] > 0 for r in results] == [False, True]
+
+
+def test_expert_parallelism_on_a_dense_model_is_a_one_line_error(tmp_path):
+    save_tiny_llama(tmp_path / "model", tokenizer=False)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tmp_path / "model"), "--clock", "tick",
+         "--enable-expert-parallel", "--prefill-policy", "none", "--prefill-decode-interval",
+         "0", "--trace-dir", str(tmp_path / "trace"), "--output-json", str(tmp_path / "o.json")],
+        capture_output=True, text=True, timeout=300)  # liveness only
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dp_experiment.py: error: ") and "needs an MoE model" in last, \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_split_experts_and_a_real_moe_both_shard_the_experts():
+    module = _script_module()
+    for extra, split in (([], None), (["--moe-split-experts", "4"], 4),
+                         (["--enable-expert-parallel"], None)):
+        configs = module.configurations(module.parse_args(
+            ["--prefill-policy", "none", "--prefill-decode-interval", "0", *extra]))
+        if not extra:
+            assert [options.get("enable_expert_parallel") for _, options in configs] == [None]
+            continue
+        assert [(name, options["enable_expert_parallel"], options["moe_split_experts"],
+                 options["enable_tbo"]) for name, options in configs] == [
+            ("none, interval 0, TBO off", True, split, False),
+            ("none, interval 0, TBO on", True, split, True)]
 
 
 def _script_module():

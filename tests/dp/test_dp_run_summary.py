@@ -59,3 +59,14 @@ def test_eplb_slots_rebalances_and_balancedness():
                                 enable_eplb=True)
     assert "EP 4 experts (2 a rank), EPLB 2 rebalance(s), last balancedness 0.97, TBO off;" in \
         dp_summary_line(after, config=no_redundant, num_experts=4)
+
+
+def test_recorded_expert_load_without_eplb():
+    config = EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
+                          record_expert_load=True)
+    before = [_stats(r) for r in range(2)]
+    assert "EP 4 experts (2 a rank, expert load balancedness none (no window closed)), TBO off;" \
+        in dp_summary_line(before, config=config, num_experts=4)
+    after = [_stats(r, eplb_balancedness=0.6249) for r in range(2)]
+    assert "EP 4 experts (2 a rank, expert load balancedness 0.62), TBO off;" in \
+        dp_summary_line(after, config=config, num_experts=4)

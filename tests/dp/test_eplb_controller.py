@@ -51,6 +51,24 @@ def test_a_skewed_window_rebalances_on_the_summed_counts():
     assert {int(e) for e in ranks[0].plan.phy2log[0][:2]} in ({0, 2}, {0, 3}, {1, 2}, {1, 3})
 
 
+def test_recording_only_measures_the_skewed_window_and_keeps_the_placement():
+    ranks = [controller(rebalance=False), controller(rebalance=False)]
+    ranks[0].record(np.array([[9, 7, 1, 0]]))  # the window that rebalances above
+    ranks[1].record(np.array([[1, 3, 0, 1]]))
+    totals = sum(r.take_window() for r in ranks)
+    result = ranks[0].close_window(totals)
+    assert result.balancedness == pytest.approx(11 / 20)
+    assert not result.rebalanced and result.predicted_balancedness is None
+    assert result.logical_load.tolist() == [[10, 10, 1, 1]] and ranks[0].num_rebalances == 0
+    np.testing.assert_array_equal(ranks[0].plan.phy2log, initial_phy2log(1, 4, 4))
+
+
+def test_recording_experts_that_do_not_divide_by_the_ranks_is_a_clear_error():
+    with pytest.raises(ValueError, match="record_expert_load: 6 experts do not divide by the 4 "
+                                         "ranks"):
+        controller(num_logical=6, num_ranks=4, rebalance=False)
+
+
 def test_no_rebalance_when_the_plan_predicts_nothing_better():
     c = controller()
     c.record(np.array([[0, 0, 8, 0]]))  # one hot expert, no redundant slot: nothing helps

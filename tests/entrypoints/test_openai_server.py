@@ -183,6 +183,8 @@ def test_models_version_tokenize_detokenize(any_server):
     assert any_server.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": PROMPT}
     chat_ids = any_server.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat_ids["count"] > ids["count"]
+    off = httpx.get(any_server.url + "/expert_load")  # a dense model: nothing recorded
+    assert off.status_code == 400 and "--record-expert-load" in off.json()["error"]["message"]
 
 
 def test_api_key_required_on_v1_routes(any_server):

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (behind
 ``--api-key`` when given: ``Authorization: Bearer KEY``), and ``GET /health``, ``GET /metrics``
-(Prometheus), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``.
+(Prometheus), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, and with
+``--record-expert-load`` or ``--enable-eplb`` ``GET /expert_load`` (:func:`_expert_load`).
 
 Errors, in one place (:func:`_install_error_handlers`): bad input is a 400 and an unknown model a
 404, both with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; a missing or
@@ -92,6 +93,25 @@ def _health(engine: AsyncEngine) -> tuple[bool, dict]:
     return True, body
 
 
+def _expert_load(engine: LLMEngine) -> dict[str, Any]:
+    """``GET /expert_load``'s body, read on the engine thread: the last closed window's tokens
+    routed to each logical expert, summed over the DP ranks (``logical_count``, ``[MoE layers,
+    experts]``, zeros before the first window; SGLang's recorder's name), the current placement
+    (``physical_to_logical_map``, ``[MoE layers, slots]``: the logical expert of each slot, rank
+    ``r`` owning the ``r``-th run of ``slots / DP size``; vLLM's name), the window's
+    ``balancedness`` (None before the first), the windows closed (``num_windows``), the group's
+    step count and the window's settings (steps)."""
+    load, placement = engine.get_expert_load(), engine.get_expert_placement()
+    stats = engine.get_rank_stats()[0]  # the window's figures are the group's, on every rank
+    config = engine.config
+    return {"object": "expert_load", "num_layers": int(load.shape[0]),
+            "num_experts": int(load.shape[1]), "num_slots": int(placement.shape[1]),
+            "step": stats.get("eplb_step"), "num_windows": stats.get("eplb_num_windows"),
+            "window_size": config.eplb_window_size, "step_interval": config.eplb_step_interval,
+            "balancedness": stats.get("eplb_balancedness"), "logical_count": load.tolist(),
+            "physical_to_logical_map": placement.tolist()}
+
+
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | None) -> FastAPI:
     """The FastAPI app over a running engine (``serving.engine``)."""
     app = FastAPI(title="atom", version=_version())
@@ -134,6 +154,17 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
         except (EngineDeadError, TimeoutError):
             rank_stats, front_end_stats = [], {}
         return Response(metrics.render(rank_stats, front_end_stats), media_type=CONTENT_TYPE)
+
+    @app.get("/expert_load")
+    async def expert_load() -> dict[str, Any]:
+        """The experts' routed tokens of the last window (:func:`_expert_load`); 400 unless
+        the server records them."""
+        if not engine.engine.config.resolved_record_expert_load():
+            raise APIError("this server does not record the expert load: start it with "
+                           "--record-expert-load (or --enable-eplb), with "
+                           "--enable-expert-parallel and --data-parallel-size > 1",
+                           code="expert_load_off")
+        return await engine.call(_expert_load, timeout_s=_HEALTH_TIMEOUT_S)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

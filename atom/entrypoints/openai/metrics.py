@@ -19,7 +19,8 @@ Two sources:
   (``atom:prefill_policy_decisions``, labelled ``policy`` and ``reason``; they sum to its
   decisions), its hold rate and its longest run of holds (with the delayer, also under the
   names that predate the other policies: ``atom:prefill_delayer_decisions``,
-  ``atom:prefill_delayer_hold_rate``), EPLB's rebalances (``atom:eplb_rebalances_total``) and
+  ``atom:prefill_delayer_hold_rate``), EPLB's rebalances (``atom:eplb_rebalances_total``) and,
+  with EPLB or ``--record-expert-load``, the windows closed (``atom:eplb_windows_total``) and
   the last window's balancedness (``atom:eplb_balancedness``);
 - the front end's own counters (no ``dp_rank``): the DP router's KV event subscriber
   (batches applied, gaps detected / healed / unhealed, lost batches, decode failures); rank
@@ -113,6 +114,8 @@ _GROUP_COUNTERS = (
     ("atom:dp_tbo_steps", "num_tbo_steps", "Group steps run as two micro-batches."),
     ("atom:dp_spec_steps", "num_spec_steps", "Group steps where some rank verified drafts."),
     ("atom:eplb_rebalances", "eplb_num_rebalances", "EPLB: rebalances that moved experts."),
+    ("atom:eplb_windows", "eplb_num_windows",
+     "EPLB or --record-expert-load: expert-load windows closed."),
 )
 _GROUP_GAUGES = (
     ("atom:eplb_balancedness", "eplb_balancedness",

@@ -12,7 +12,7 @@ import pytest
 from atom.config import EngineConfig
 from atom.dp.dp_trace import read_trace
 from atom.dp.sim.calibrate import fit_grid, machine_info, measure_grid
-from atom.dp.sim.cost_model import Coefficients, Profile
+from atom.dp.sim.cost_model import Coefficients, Profile, load_profile
 from atom.entrypoints.cli import main
 
 SMALL = ["--data-parallel-size", "2", "--num-kv-blocks", "32", "--max-num-seqs", "8",
@@ -99,7 +99,8 @@ def test_calibration_grid_on_the_real_model_runner():
     measurements, facts = measure_grid(EngineConfig(dtype="float32", num_threads=1),
                                        repeats=1, grid=grid)
     assert facts == {"kv_cache_bytes_per_token": 46080, "max_position_embeddings": 8192,
-                     "num_experts": None, "architecture": "LlamaForCausalLM"}
+                     "num_experts": None, "architecture": "LlamaForCausalLM",
+                     "vocab_size": 49152}
     assert [m["point"] for m in measurements] == grid
     assert all(m["seconds"] > 0 and 0 <= m["mlp_seconds"] < m["seconds"] for m in measurements)
     assert [len(m["micro_batches"]) for m in measurements] == [1, 1, 2, 1]
@@ -111,19 +112,25 @@ def test_calibration_grid_on_the_real_model_runner():
     assert machine_info(1)["num_threads"] == 1
 
 
-def test_calibration_grid_on_a_qwen3_moe_folder(tmp_path):
-    """`atom sim calibrate --model FOLDER` on another family: the facts are the model's (its KV
-    bytes per token from its per-layer specs, its experts); a vocabulary too small for the
-    grid's token ids is a clear error."""
+def test_calibrate_a_real_moe_folder_with_expert_parallelism(tmp_path, capsys):
+    """`atom sim calibrate --model FOLDER --enable-expert-parallel` on a tiny Qwen3-MoE of 512
+    tokens (no tokenizer files): the grid and both group replays (without, then with expert
+    parallelism on 2 real ranks) draw their token ids inside the vocabulary; the facts are
+    the model's (its KV bytes per token from its per-layer specs, its experts, its
+    vocabulary)."""
     from tests.moe_utils import build_tiny_qwen3
 
-    small, large = tmp_path / "small", tmp_path / "large"
-    build_tiny_qwen3(small)
-    with pytest.raises(ValueError, match="vocabulary of 512 tokens is smaller"):
-        measure_grid(EngineConfig(model=str(small), dtype="float32", num_threads=1), repeats=1,
-                     grid=[{}])
-    build_tiny_qwen3(large, vocab_size=20000, max_position_embeddings=2048)
-    _check_calibration_of_a_tiny_moe(large, "Qwen3MoeForCausalLM")
+    build_tiny_qwen3(tmp_path / "model")
+    out = tmp_path / "profile.json"
+    assert main(["sim", "calibrate", "--model", str(tmp_path / "model"), "--num-threads", "1",
+                 "--enable-expert-parallel", "--repeats", "1", "--group-replays", "1",
+                 "--output", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.model_facts == {"kv_cache_bytes_per_token": _TINY_KV_BYTES_PER_TOKEN,
+                                   "max_position_embeddings": 512, "num_experts": 8,
+                                   "architecture": "Qwen3MoeForCausalLM", "vocab_size": 512}
+    assert {"grid", "group", "group_ep"} <= set(profile.fit)
+    assert "group_ep fit:" in capsys.readouterr().out
 
 
 # 3 layers x (K, V) x 2 KV heads x head_dim 24 x 4 bytes
@@ -140,7 +147,7 @@ def _check_calibration_of_a_tiny_moe(folder, architecture: str, *,
                                                     num_threads=1), repeats=1, grid=grid)
     assert facts == {"kv_cache_bytes_per_token": kv_bytes_per_token,
                      "max_position_embeddings": 2048, "num_experts": 8,
-                     "architecture": architecture}
+                     "architecture": architecture, "vocab_size": 20000}
     assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
 
 

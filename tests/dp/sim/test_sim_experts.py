@@ -61,6 +61,20 @@ def test_the_imbalance_follows_the_placement_and_eplb_rebalances_the_group():
     assert row.last_balancedness == 1.0 and sum(row.tick_load) == 12
 
 
+def test_recording_the_load_measures_every_window_and_never_moves_an_expert():
+    hot = np.array([[0.5, 0.5, 0.0, 0.0]])  # the skew EPLB rebalances above
+    record = SimExperts(EngineConfig(**{**EPLB, "enable_eplb": False}, record_expert_load=True),
+                        ExpertPopularity(hot, top_k=2), num_ranks=2)
+    imbalances = []
+    for tick in range(8):
+        imbalances.append(record.step(tick, [10, 6]))
+        record.end_step(tick)
+    assert imbalances == [pytest.approx(2.0)] * 8
+    assert [(tick, w.balancedness, w.rebalanced) for tick, w in record.windows] == [
+        (3, 0.5, False), (7, 0.5, False)]
+    assert record.summary()["num_rebalances"] == 0 and record.row(0).last_balancedness == 0.5
+
+
 def test_eplb_in_the_simulator_needs_a_routing_source_and_reports_its_windows():
     profile = Profile(Coefficients(step_s=0.01, token_s=0.001, mlp_token_s=0.0005),
                       model_facts={"max_position_embeddings": 1024})

@@ -65,6 +65,35 @@ def test_dp_experiment_workload_is_the_scripts():
     assert W.dp_experiment(seed=1) != timed
 
 
+def test_token_ids_are_drawn_inside_the_models_vocabulary():
+    """A large vocabulary gives the draws every run made before (embedded: 49152 tokens); a
+    small one cuts the range at its size; one too small for any id is a one-line error."""
+    assert W.dp_experiment(vocab_size=49152) == W.dp_experiment()
+    assert W.bursty(num_requests=4, burst_size=2, burst_interval=1.0, vocab_size=20000) == \
+        W.bursty(num_requests=4, burst_size=2, burst_interval=1.0)
+    assert W.vocab_range(512) == (100, 512) and W.vocab_range(64) == (32, 64)
+    small = W.dp_experiment(vocab_size=512)
+    ids = [t for r in small for t in r.prompt_token_ids]
+    assert min(ids) >= 100 and max(ids) < 512 and max(ids) > 400  # the whole range is used
+    assert len(small) == 27 and [r.prompt_len for r in small[:3]] == [160] * 3
+    for generator, args in ((W.kv_skewed, dict(num_requests=4, rate=1.0)),
+                            (W.sessions, dict(num_sessions=2, num_turns=1, turn_interval=1.0))):
+        assert max(t for r in generator(**args, vocab_size=300) for t in r.prompt_token_ids) < 300
+    with pytest.raises(ValueError, match="a vocabulary of 3 tokens leaves no synthetic token ids"):
+        W.synthetic_prompt("x", 4, vocab_size=3)
+
+
+def test_a_replay_outside_the_vocabulary_is_a_one_line_error():
+    from atom.dp.sim.replay import check_vocabulary
+
+    requests = W.dp_experiment()
+    check_vocabulary(requests, 20000, model=None)  # inside: nothing to say
+    with pytest.raises(ValueError, match=r"^request 0's prompt has token id \d+, outside "
+                                         r"tiny's vocabulary of 512 tokens: draw the workload "
+                                         r"with vocab_size=512 \(atom.dp.sim.workload\)$"):
+        check_vocabulary(requests, 512, model="tiny")
+
+
 def test_generators_and_scaling():
     skewed = W.scaled("kv_skewed", dp_size=8)
     assert len(skewed) == 480
