@@ -1,10 +1,94 @@
-"""Shared test helpers: the tie-aware greedy comparator and Hugging Face reference generation."""
+"""Shared test helpers: float tolerances derived from the dtype and the reduction length, the
+tie-aware greedy comparator and Hugging Face reference generation."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+#: λ of :func:`sum_tolerance`: how many times the √n·u rounding-error model's scale a result
+#: may be off (see there).
+ROUNDING_LAMBDA = 8.0
+#: The largest atol :func:`sum_tolerance` gives, as a fraction of ``magnitude``: a wrong value
+#: off by this much relative must still fail the comparison.
+MAX_ATOL_FRACTION = 1e-3
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of a float dtype, the largest relative error of one rounding to nearest: half its
+    machine epsilon (float32 2^-24, bfloat16 2^-8)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def sum_tolerance(dtype: torch.dtype, *, reduction_len: int, magnitude: float,
+                  num_paths: int = 1) -> dict[str, float]:
+    """``atol`` and ``rtol`` for ``torch.testing.assert_close`` of results in ``dtype`` that are
+    float sums of ``reduction_len`` terms each (a dot product, a GEMM entry, a softmax).
+
+    Model: n terms added in float32 in any order (our kernels' blocked SIMD sums, MKL's,
+    oneDNN's AMX brgemm) give ``s + Σ δ_i T_i``: each addition's rounding ``|δ_i| <= u`` times
+    the partial sum ``T_i`` it rounded (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, 2nd ed., SIAM 2002, §4.2, (4.3)). The worst case, ``(n - 1)·u·Σ|x_i|`` for any
+    order (§4.2; §3.1 for dot products), grows like n·u and is orders of magnitude above what
+    any run shows; rounding errors behave as independent and zero-mean, so the error grows like
+    ``√n·u·max|T_i|`` (§2.8's rule of thumb; proven as a bound that holds with high probability
+    by Higham and Mary, *A New Approach to Probabilistic Rounding Error Analysis*, SIAM J. Sci.
+    Comput. 41(5), 2019, §3 for inner products). So::
+
+        atol = num_paths · λ · √n · u_float32 · magnitude       rtol = num_paths · u(dtype)
+
+    ``magnitude`` bounds the partial sums: the largest ``|expected|`` for the random-signed
+    terms of these tests (a partial sum of such terms is a random walk that ends at the
+    result), an absolute sum where terms share a sign. λ = :data:`ROUNDING_LAMBDA` (8) covers
+    the walk straying above its end and the spread of the sum of errors (a uniform δ_i has a
+    standard deviation of u/√3: λ is about 14 of them). ``rtol`` is each path's final rounding
+    to ``dtype`` (2^-8 for bfloat16, negligible for float32). ``atol`` is float32's whatever
+    ``dtype`` is: bfloat16 products are exact in float32, and every kernel here, MKL and oneDNN
+    sum them in float32. For results of several reductions in a row (attention: D, then the
+    context; a MoE expert: H, then I) pass the sum of the lengths: independent errors of
+    similar size add in quadrature.
+
+    Args:
+        dtype: the results' dtype (float32 or bfloat16).
+        reduction_len: terms per sum, n >= 1.
+        magnitude: a bound of the partial sums' size, in the results' units.
+        num_paths: sides of the comparison that are float sums: 1 against a float64
+            reference, 2 for two float32 paths (each carries its own error).
+    Raises:
+        ValueError: the tolerance would let a value off by :data:`MAX_ATOL_FRACTION` of
+            ``magnitude`` pass (n too large to test at float32): the test could not fail.
+    """
+    if reduction_len < 1 or num_paths < 1:
+        raise ValueError(f"reduction_len ({reduction_len}) and num_paths ({num_paths}) must "
+                         f"be at least 1")
+    atol = num_paths * ROUNDING_LAMBDA * math.sqrt(reduction_len) * unit_roundoff(
+        torch.float32) * magnitude
+    if atol > MAX_ATOL_FRACTION * magnitude:
+        raise ValueError(f"atol {atol:.3g} for {reduction_len} terms is more than "
+                         f"{MAX_ATOL_FRACTION} of the magnitude {magnitude:.3g}: a test with it "
+                         f"could not catch an error that size")
+    return dict(atol=atol, rtol=num_paths * unit_roundoff(dtype))
+
+
+def assert_sums_close(actual: torch.Tensor, expected: torch.Tensor, *, reduction_len: int,
+                      num_paths: int = 1, magnitude: float | None = None) -> None:
+    """``torch.testing.assert_close`` (in float64) with :func:`sum_tolerance` for
+    ``actual.dtype``; ``magnitude`` defaults to the largest ``|expected|``.
+
+    Raises:
+        AssertionError: a value is off by more than the tolerance (the message gives it).
+    """
+    if magnitude is None:
+        magnitude = float(expected.abs().max()) if expected.numel() else 0.0
+    tol = sum_tolerance(actual.dtype, reduction_len=reduction_len, magnitude=magnitude,
+                        num_paths=num_paths)
+    torch.testing.assert_close(
+        actual.double(), expected.double(), **tol,
+        msg=lambda m: f"{m}\n(sums of {reduction_len} terms, magnitude {magnitude:.4g}, "
+                      f"{num_paths} float path(s): atol {tol['atol']:.3g}, rtol {tol['rtol']:.3g})")
 
 
 @dataclass
