@@ -15,6 +15,7 @@ from atom.kernels.attention import (
     paged_decode_attention,
     prefill_attention,
 )
+from tests.kernels import isa_variants
 from tests.utils import assert_sums_close
 
 # Every test takes the `ops` fixture (conftest.py): a kernel that did not build fails them.
@@ -85,7 +86,8 @@ def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale, **options)
 
 # head_dim picks the kernel's path (kernels/csrc/attention_tiles.h): on an AVX512-BF16 CPU 64 is
 # bfloat16's VDPBF16PS path (it needs D % 32 == 0), 48 and 24 the AVX2 path (float32 takes it
-# for 64 too), 12 the scalar loop; on an AVX2 CPU 64, 48 and 24 are AVX2.
+# for 64 too), 12 the scalar loop; on an AVX2 CPU 64, 48 and 24 are AVX2. What no CPU's own
+# build runs beside that, the builds of isa_variants.py run (test_other_cpus_decode_paths...).
 HEAD_DIMS = [64, 48, 24, 12]
 # The longest context of any case here (the decode and prefill lengths below).
 MAX_CONTEXT_LEN = 83
@@ -303,6 +305,29 @@ def test_kernel_split_contexts_with_sinks_and_window(ops, dtype, num_seqs):
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
                                   sliding_window=WINDOW)
     assert_attention_close(out, ref, head_dim=64)
+
+
+@pytest.mark.parametrize("variant", sorted(isa_variants.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 12])
+@pytest.mark.parametrize("sliding_window", [WINDOW, None])
+def test_other_cpus_decode_paths_match_float64_reference(isa_variant, variant, dtype, head_dim,
+                                                         sliding_window):
+    """Decode in the builds of isa_variants.py: without AVX512-BF16 (bfloat16 at D = 64 takes
+    the AVX2 tiles and rounds its output by integers) and without any vector path (the whole
+    kernel scalar), sinks and window included, 4 threads over 7 sequences."""
+    variant_ops = isa_variant(variant)
+    q, kc, vc, tables, lens = _random_case(num_seqs=7, num_heads=9, num_kv_heads=3,
+                                           head_dim=head_dim, block_size=16, max_len=83,
+                                           dtype=dtype, lens=DECODE_LENS_AROUND_WINDOW)
+    sinks = _sinks(9) if sliding_window else None
+    with _num_threads(4):
+        out = variant_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks,
+                                                 sliding_window)
+    ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
+                                  sliding_window=sliding_window)
+    assert out.dtype == dtype
+    assert_attention_close(out, ref, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
