@@ -50,13 +50,11 @@ def test_other_cpus_paths_match_float64(isa_variant, variant, dtype, tokens, hid
                                         experts, k):
     """The AVX-512-without-BF16 and scalar builds (isa_variants.py), shapes with tails."""
     variant_ops = isa_variant(variant)
-    _check_against_float64(
-        lambda x, w13, w2, ids, gates: variant_ops.fused_moe(x, w13, w2, ids, gates),
-        _case(tokens, hidden, inter, experts, k, dtype))
+    _check_against_float64(variant_ops.fused_moe, _case(tokens, hidden, inter, experts, k, dtype))
 
 
 @pytest.mark.parametrize("variant", sorted(isa_variants.VARIANTS))
-def test_a_variant_registers_the_main_librarys_schemas(ops, isa_variant, variant):
+def test_a_variant_registers_the_main_librarys_schemas(isa_variant, variant):
     # isa_variant_bindings.cpp repeats bindings.cpp's two schemas: they must not drift apart
     variant_ops = isa_variant(variant)
     namespace = isa_variants.VARIANTS[variant].variant.name
