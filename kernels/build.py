@@ -42,6 +42,12 @@ SIGTERM on to them, so the group gets SIGTERM first, then SIGKILL); a stopped bu
 one when a build starts, one when it ends (with the time it took), one every
 :data:`PROGRESS_REPORT_S` while compiling.
 
+A :class:`Variant` is a second library built beside the main one from some of the same sources
+with more compiler flags (``-mno-avx512bf16``: the paths a CPU without that extension takes), its
+ops registered under a namespace of their own: the tests run the paths this CPU's own build does
+not take (``tests/kernels/isa_variants.py``). Its key also covers its flags and its own files, and
+it takes the same lock and layout, so it is built once per key, like the main library.
+
 Imports torch only inside functions (after the parent watcher is running).
 """
 
@@ -89,11 +95,23 @@ class BuildError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """A library built from ``sources`` with ``CFLAGS`` plus ``cflags``, its C++ namespace and
+    its ops' namespace ``name`` (``-Datom_kernels=<name>``: the two libraries' symbols never
+    meet, and ``torch.ops.<name>`` holds what its own bindings file registers)."""
+
+    name: str
+    sources: tuple[pathlib.Path, ...]  # .cpp files: some of CSRC's and a bindings file
+    cflags: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelBuild:
     """The files of one key under one root (the layout in the module docstring)."""
 
     root: pathlib.Path
     key: str
+    variant: Variant | None = None  # None: the main library, every CSRC/*.cpp
 
     @property
     def folder(self) -> pathlib.Path:
@@ -101,7 +119,7 @@ class KernelBuild:
 
     @property
     def library(self) -> pathlib.Path:
-        return self.folder / f"{LIB_NAME}.so"
+        return self.folder / f"{self.variant.name if self.variant else LIB_NAME}.so"
 
     @property
     def failed_marker(self) -> pathlib.Path:
@@ -167,11 +185,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def current(compiler_line: str | None = None) -> KernelBuild:
+def current(compiler_line: str | None = None, *, variant: Variant | None = None) -> KernelBuild:
     """The build for this checkout's sources, torch, compiler and CPU (imports torch).
 
     Args:
         compiler_line: :func:`toolchain`'s answer, if the caller already has it.
+        variant: that library instead of the main one (its key also covers its name, flags
+            and sources).
     Raises:
         ToolchainMissing: as :func:`toolchain`.
     """
@@ -183,7 +203,12 @@ def current(compiler_line: str | None = None) -> KernelBuild:
     for part in (torch.__version__, torch.version.git_version, compiler_line or toolchain(),
                  _cpu_flags(), *CFLAGS, "ld:", *LDFLAGS):
         digest.update(b"\0" + str(part).encode())
-    return KernelBuild(root_dir(), digest.hexdigest()[:16])
+    if variant is not None:
+        for part in ("variant:", variant.name, *variant.cflags):
+            digest.update(b"\0" + part.encode())
+        for path in variant.sources:
+            digest.update(b"\0" + path.name.encode() + b"\0" + path.read_bytes())
+    return KernelBuild(root_dir(), digest.hexdigest()[:16], variant)
 
 
 def _say(message: str) -> None:
@@ -253,13 +278,18 @@ def _compile(kb: KernelBuild) -> pathlib.Path:
     tmp = kb.tmp_folder(os.getpid())
     tmp.mkdir()
     os.environ["PATH"] = _tool_path()  # cpp_extension runs `ninja` from PATH
-    _say(f"building atom's CPU kernels (first run only; about 30 s) into {kb.folder} ...")
+    what = "atom's CPU kernels" + (f" ({kb.variant.name})" if kb.variant else "")
+    _say(f"building {what} (first run only; about 30 s) into {kb.folder} ...")
     start = time.monotonic()
     done = threading.Event()
     threading.Thread(target=_report_progress, args=(done, start), daemon=True).start()
+    name, sources, cflags = LIB_NAME, sorted(CSRC.glob("*.cpp")), list(CFLAGS)
+    if kb.variant is not None:
+        name, sources = kb.variant.name, kb.variant.sources
+        cflags += [*kb.variant.cflags, f"-Datom_kernels={kb.variant.name}"]
     try:
-        cpp_extension.load(name=LIB_NAME, sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))],
-                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+        cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_cflags=cflags,
+                           extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)],
                            build_directory=str(tmp), is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as exc:  # compile or link error; a library that won't load
         if _STOPPED.is_set():  # ninja failed because we stopped it: not the sources' fault
@@ -276,10 +306,10 @@ def _compile(kb: KernelBuild) -> pathlib.Path:
     finally:
         done.set()
     kb.folder.mkdir(exist_ok=True)
-    os.replace(tmp / f"{LIB_NAME}.so", kb.library)
+    os.replace(tmp / kb.library.name, kb.library)
     kb.failed_marker.unlink(missing_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    _say(f"built atom's CPU kernels in {time.monotonic() - start:.1f} s: {kb.library}")
+    _say(f"built {what} in {time.monotonic() - start:.1f} s: {kb.library}")
     return kb.library
 
 

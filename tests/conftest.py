@@ -17,6 +17,27 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# The extensions that pick the compiled kernels' paths (kernels/csrc/vec.h: -march=native).
+_KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                 "amx_tile", "amx_bf16")
+
+
+def pytest_report_header(config):
+    """The CPU the kernel tests ran on: which paths they cover depends on it (a native build
+    has only the paths of the CPU's extensions; tests/kernels/isa_variants.py builds others)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "cpu: unknown (no /proc/cpuinfo)"
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    have = [f for f in _KERNEL_FLAGS if f in flags]
+    missing = [f for f in _KERNEL_FLAGS if f not in flags]
+    return (f"cpu: {model}; kernel paths: {' '.join(have) or 'scalar only'}; "
+            f"without: {' '.join(missing)}")
+
+
 @pytest.fixture(scope="session")
 def embedded_hf_model(tmp_path_factory):
     """transformers' own float32 model of the embedded GGUF, in eval mode: the reference of the

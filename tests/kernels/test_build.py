@@ -4,6 +4,7 @@ and killed builds run in tests/engine/test_killed_start.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import pathlib
@@ -89,6 +90,23 @@ def test_build_moves_the_library_into_place_and_removes_its_folder(kernels_root,
     assert fake_compiler == [str(kb.tmp_folder(os.getpid()))]
     assert not list(kernels_root.glob("*.tmp-*"))
     assert build.build_library(kb) == kb.library and len(fake_compiler) == 1  # built: kept
+
+
+def test_a_variant_is_keyed_by_its_flags_and_sources_and_built_beside(tmp_path, kernels_root,
+                                                                      fake_compiler):
+    bindings = tmp_path / "bindings.cpp"
+    bindings.write_text("// one\n")
+    variant = build.Variant("atom_kernels_test", (build.CSRC / "fused_moe.cpp", bindings),
+                            ("-mno-avx2",))
+    kb = build.current(COMPILER_LINE, variant=variant)
+    assert kb.key != build.current(COMPILER_LINE).key
+    other_flags = dataclasses.replace(variant, cflags=("-mno-avx512f",))
+    assert build.current(COMPILER_LINE, variant=other_flags).key != kb.key
+    bindings.write_text("// two\n")
+    assert build.current(COMPILER_LINE, variant=variant).key != kb.key
+    kb = build.current(COMPILER_LINE, variant=variant)
+    assert build.build_library(kb) == kernels_root / kb.key / "atom_kernels_test.so"
+    assert kb.library.exists() and len(fake_compiler) == 1
 
 
 def test_a_dead_builds_folder_is_taken_over(kernels_root, fake_compiler, capsys):

@@ -15,6 +15,8 @@ from atom.kernels.attention import (
     paged_decode_attention,
     prefill_attention,
 )
+from tests.kernels import isa_variants
+from tests.utils import assert_sums_close
 
 # Every test takes the `ops` fixture (conftest.py): a kernel that did not build fails them.
 
@@ -84,12 +86,18 @@ def _per_sequence_reference(q, k_cache, v_cache, tables, lens, scale, **options)
 
 # head_dim picks the kernel's path (kernels/csrc/attention_tiles.h): on an AVX512-BF16 CPU 64 is
 # bfloat16's VDPBF16PS path (it needs D % 32 == 0), 48 and 24 the AVX2 path (float32 takes it
-# for 64 too), 12 the scalar loop; on an AVX2 CPU 64, 48 and 24 are AVX2.
+# for 64 too), 12 the scalar loop; on an AVX2 CPU 64, 48 and 24 are AVX2. What no CPU's own
+# build runs beside that, the builds of isa_variants.py run (test_other_cpus_decode_paths...).
 HEAD_DIMS = [64, 48, 24, 12]
-# Tolerances against float64 math on the same inputs: float32 accumulation only (1e-5); a
-# bfloat16 output also carries its one rounding, at most half a bf16 ulp (2^-9 relative, so
-# rtol 2^-8 with a margin for the float32 sums).
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-5, rtol=2**-8)}
+# The longest context of any case here (the decode and prefill lengths below).
+MAX_CONTEXT_LEN = 83
+
+
+def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, *, head_dim: int) -> None:
+    """A kernel's output against float64 math on the same inputs: float32 sums of q . k over
+    head_dim and of p . v over the context (tests.utils.sum_tolerance); a bfloat16 output also
+    carries its one rounding (rtol 2^-8)."""
+    assert_sums_close(out, ref, reduction_len=head_dim + MAX_CONTEXT_LEN)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,7 +111,7 @@ def test_kernel_matches_float64_reference(ops, dtype, head_dim, num_heads, num_k
     out = ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
     ref = _per_sequence_reference(q, kc, vc, tables, lens, scale)
-    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    assert_attention_close(out, ref, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,7 +121,7 @@ def test_kernel_block_sizes(ops, dtype, block_size):
                                            block_size=block_size, max_len=75, dtype=dtype)
     out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125)
-    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    assert_attention_close(out, ref, head_dim=64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -131,7 +139,7 @@ def test_kernel_splits_contexts_when_sequences_are_fewer_than_threads(ops, dtype
     with _num_threads(4):
         out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125)
-    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    assert_attention_close(out, ref, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -151,7 +159,7 @@ def test_torch_decode_path_matches_float64_reference():
                                            block_size=16, max_len=70, dtype=torch.float32)
     out = paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert_attention_close(out, ref, head_dim=64)
 
 
 def test_decode_attention_uses_kernel_and_keeps_dtype(ops):
@@ -220,7 +228,7 @@ def test_prefill_kernel_matches_float64_reference(ops, dtype, head_dim, block_si
     ops.paged_prefill_attention_(out, q, kc, vc, tables, lens, starts, head_dim ** -0.5)
     ref = _prefill_reference(q, kc, vc, tables, lens, starts, head_dim ** -0.5)
     assert (out[:3] == 7.0).all()  # rows of no sequence are left alone
-    torch.testing.assert_close(out[3:].double(), torch.stack(ref[3:]), **TOLERANCE[dtype])
+    assert_attention_close(out[3:], torch.stack(ref[3:]), head_dim=head_dim)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 1)])
@@ -233,7 +241,7 @@ def test_prefill_kernel_group_sizes(ops, num_heads, num_kv_heads):
     out = torch.empty_like(q)
     ops.paged_prefill_attention_(out, view.view_as(q), kc, vc, tables, lens, starts, 0.125)
     ref = _prefill_reference(q, kc, vc, tables, lens, starts, 0.125)
-    torch.testing.assert_close(out.double(), torch.stack(ref), **TOLERANCE[torch.bfloat16])
+    assert_attention_close(out, torch.stack(ref), head_dim=64)
 
 
 def test_prefill_kernel_rejects_rows_past_the_context(ops):
@@ -268,7 +276,7 @@ def _sinks(num_heads: int) -> torch.Tensor:
 def test_kernel_with_sinks_and_window_matches_float64_reference(ops, dtype, head_dim,
                                                                  sliding_window, threads):
     """Decode with sinks (and a window) against float64 dense attention, contexts straddling the
-    window, shuffled block tables; the tolerances of the plain kernel (TOLERANCE)."""
+    window, shuffled block tables; the tolerances of the plain kernel."""
     q, kc, vc, tables, lens = _random_case(num_seqs=7, num_heads=9, num_kv_heads=3,
                                            head_dim=head_dim, block_size=16, max_len=83,
                                            dtype=dtype, lens=DECODE_LENS_AROUND_WINDOW)
@@ -277,7 +285,7 @@ def test_kernel_with_sinks_and_window_matches_float64_reference(ops, dtype, head
         out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks, sliding_window)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
                                   sliding_window=sliding_window)
-    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    assert_attention_close(out, ref, head_dim=head_dim)
     plain = _per_sequence_reference(q, kc, vc, tables, lens, 0.125)
     assert (ref - plain).abs().max() > 1e-2  # the options changed the result
 
@@ -296,7 +304,30 @@ def test_kernel_split_contexts_with_sinks_and_window(ops, dtype, num_seqs):
         out = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks, WINDOW)
     ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
                                   sliding_window=WINDOW)
-    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    assert_attention_close(out, ref, head_dim=64)
+
+
+@pytest.mark.parametrize("variant", sorted(isa_variants.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 12])
+@pytest.mark.parametrize("sliding_window", [WINDOW, None])
+def test_other_cpus_decode_paths_match_float64_reference(isa_variant, variant, dtype, head_dim,
+                                                         sliding_window):
+    """Decode in the builds of isa_variants.py: without AVX512-BF16 (bfloat16 at D = 64 takes
+    the AVX2 tiles and rounds its output by integers) and without any vector path (the whole
+    kernel scalar), sinks and window included, 4 threads over 7 sequences."""
+    variant_ops = isa_variant(variant)
+    q, kc, vc, tables, lens = _random_case(num_seqs=7, num_heads=9, num_kv_heads=3,
+                                           head_dim=head_dim, block_size=16, max_len=83,
+                                           dtype=dtype, lens=DECODE_LENS_AROUND_WINDOW)
+    sinks = _sinks(9) if sliding_window else None
+    with _num_threads(4):
+        out = variant_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sinks,
+                                                 sliding_window)
+    ref = _per_sequence_reference(q, kc, vc, tables, lens, 0.125, sinks=sinks,
+                                  sliding_window=sliding_window)
+    assert out.dtype == dtype
+    assert_attention_close(out, ref, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -315,7 +346,7 @@ def test_prefill_kernel_with_sinks_and_window_matches_float64_reference(
     ref = _prefill_reference(q, kc, vc, tables, lens, starts, head_dim ** -0.5, sinks=sinks,
                              sliding_window=sliding_window)
     assert (out[:2] == 7.0).all()
-    torch.testing.assert_close(out[2:].double(), torch.stack(ref[2:]), **TOLERANCE[dtype])
+    assert_attention_close(out[2:], torch.stack(ref[2:]), head_dim=head_dim)
 
 
 def test_attention_entry_points_run_the_kernels_with_sinks_and_window(ops):

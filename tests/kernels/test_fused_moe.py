@@ -2,7 +2,12 @@
 tails (hidden and intermediate sizes that are not multiples of the vector width or of the row
 blocks, an odd token count per expert), slots of other ranks' experts, tokens with no local
 slot, no tokens at all; the order of a token's two slots does not change its sum; bad input is
-refused."""
+refused.
+
+Paths (dot_block.h), by CPU: the native build runs VDPBF16PS for bfloat16 and float32 FMAs on
+an AVX512-BF16 CPU (Zen 4/5, Sapphire Rapids on), float32 FMAs for both dtypes on AVX-512
+without BF16, the scalar loop on AVX2-only CPUs (Zen 3). The other CPUs' paths run here too, in
+builds with fewer extensions (``isa_variants.py``: ``no_avx512bf16``, ``scalar``)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import pytest
 import torch
 
 from atom.kernels.moe import fused_moe, fused_moe_reference
+from tests.kernels import isa_variants
+from tests.utils import assert_sums_close
 
 # Tests of the compiled kernels take the `ops` fixture (conftest.py): a kernel that did not build
 # fails them.
@@ -33,15 +40,40 @@ def _case(tokens, hidden, inter, experts, k, dtype, seed=0):
     (0, 64, 32, 4, 2),      # an empty batch
 ])
 def test_fused_moe_matches_float64(ops, dtype, tokens, hidden, inter, experts, k):
-    x, w13, w2, ids, gates = _case(tokens, hidden, inter, experts, k, dtype)
-    ids[:1] = experts  # the first token has no local slot: its row is 0
-    out = fused_moe(x, w13, w2, ids, gates)
-    assert out.dtype == dtype and out.shape == x.shape
+    _check_against_float64(fused_moe, _case(tokens, hidden, inter, experts, k, dtype))
+
+
+@pytest.mark.parametrize("variant", sorted(isa_variants.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [(7, 70, 23, 6, 3), (9, 256, 64, 4, 2)])
+def test_other_cpus_paths_match_float64(isa_variant, variant, dtype, tokens, hidden, inter,
+                                        experts, k):
+    """The AVX-512-without-BF16 and scalar builds (isa_variants.py), shapes with tails."""
+    variant_ops = isa_variant(variant)
+    _check_against_float64(variant_ops.fused_moe, _case(tokens, hidden, inter, experts, k, dtype))
+
+
+@pytest.mark.parametrize("variant", sorted(isa_variants.VARIANTS))
+def test_a_variant_registers_the_main_librarys_schemas(isa_variant, variant):
+    # isa_variant_bindings.cpp repeats bindings.cpp's two schemas: they must not drift apart
+    variant_ops = isa_variant(variant)
+    namespace = isa_variants.VARIANTS[variant].variant.name
+    for name in ("fused_moe", "paged_decode_attention"):
+        schema = str(getattr(variant_ops, name).default._schema)
+        assert schema.replace(f"{namespace}::", "atom_kernels::") == str(
+            getattr(torch.ops.atom_kernels, name).default._schema)
+
+
+def _check_against_float64(run, case) -> None:
+    x, w13, w2, ids, gates = case
+    ids[:1] = w13.shape[0]  # the first token has no local slot: its row is 0
+    out = run(x, w13, w2, ids, gates)
+    assert out.dtype == x.dtype and out.shape == x.shape
     ref = fused_moe_reference(x, w13, w2, ids, gates)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    if x.dtype == torch.float32:  # sums over H (gate/up), then I (down)
+        assert_sums_close(out, ref, reduction_len=x.shape[1] + w2.shape[2])
     else:  # the bf16 activations and output: about 2^-8 of the largest values
-        scale = max(1.0, float(ref.abs().max())) if tokens else 1.0
+        scale = max(1.0, float(ref.abs().max())) if len(x) else 1.0
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=1.5e-2 * scale)
     assert not out[:1].any()
 
