@@ -184,11 +184,11 @@ class DPEngineCoreClient(MPClient):
 
     # ----- stats, outputs, lifecycle -----
 
-    def get_rank_stats(self) -> list[dict]:
+    def get_rank_stats(self, *, timeout_s: float | None = None) -> list[dict]:
         """Each rank's stats plus this router's counters for the rank (``dp_router_load``,
         ``dp_router_decisions_<reason>``)."""
-        return [{**core, **router} for core, router in zip(super().get_rank_stats(),
-                                                            self.router.rank_stats())]
+        return [{**core, **router} for core, router in zip(
+            super().get_rank_stats(timeout_s=timeout_s), self.router.rank_stats())]
 
     def front_end_stats(self) -> dict:
         """MPClient's, and the KV event subscriber's counters as ``kv_subscriber_<name>``

@@ -24,6 +24,11 @@ from atom.engine.liveness import EngineDeadError
 
 __all__ = ["dp_summary_line", "print_dp_summary"]
 
+#: how long the summary waits for the ranks' stats at shutdown (a launched deployment's ranks
+#: may have left on the launcher's SIGTERM before the front end asks: it must not wait for
+#: their hang timeout, past the launcher's SIGTERM-to-SIGKILL grace)
+SUMMARY_TIMEOUT_S = 3.0
+
 _ROUTED = "dp_router_decisions_"  # the DP client's per-rank decision counters
 # the policy's hold reasons (hold, hold_fill, hold_decode_interval: prefill_decision.HOLDS)
 _HOLDS = "prefill_policy_decisions_hold"
@@ -104,8 +109,12 @@ def print_dp_summary(engine) -> None:
     if engine is None or engine.config.data_parallel_size == 1:
         return
     try:
-        rank_stats = engine.get_rank_stats()
+        rank_stats = engine.get_rank_stats(timeout_s=SUMMARY_TIMEOUT_S)
     except EngineDeadError:
+        return
+    except TimeoutError:  # the ranks left first (atom launch's SIGTERM stops them at once)
+        print("atom: no DP summary: the ranks did not answer within "
+              f"{SUMMARY_TIMEOUT_S:g} s (stopped already)", file=sys.stderr, flush=True)
         return
     started = engine.config.data_parallel_size
     # a shrunk group runs its client's config (the options that need several ranks dropped)

@@ -168,13 +168,15 @@ class EngineCoreClient(abc.ABC):
         """
 
     @abc.abstractmethod
-    def call_utility_per_rank(self, method: str) -> list[dict]:
+    def call_utility_per_rank(self, method: str, *, timeout_s: float | None = None) -> list[dict]:
         """Run a core method (``get_stats``, ``reset_prefix_cache``) on every core, after every
         input sent so far; results in rank order.
 
         Raises:
             ValueError: the core does not know ``method``.
             EngineDeadError: a core process exited.
+            TimeoutError: not every core answered within ``timeout_s`` seconds (None: no limit
+                but the hang timeout).
         """
 
     @abc.abstractmethod
@@ -202,10 +204,11 @@ class EngineCoreClient(abc.ABC):
         end's own (:meth:`front_end_stats`)."""
         return {**merge_rank_results(self.get_rank_stats()), **self.front_end_stats()}
 
-    def get_rank_stats(self) -> list[dict]:
+    def get_rank_stats(self, *, timeout_s: float | None = None) -> list[dict]:
         """Each rank's ``get_stats`` (DP ranks add tick, wave, collective count and hash,
-        prefill policy counters; the DP client adds its router's counters for the rank)."""
-        return self.call_utility_per_rank("get_stats")
+        prefill policy counters; the DP client adds its router's counters for the rank);
+        ``timeout_s`` as :meth:`call_utility_per_rank`."""
+        return self.call_utility_per_rank("get_stats", timeout_s=timeout_s)
 
     def front_end_stats(self) -> dict:
         """Counters of this process that belong to no rank (rank failures and recoveries, the
@@ -251,7 +254,7 @@ class InprocClient(EngineCoreClient):
     def get_outputs(self, timeout_s: float | None = None) -> list[SeqOutput]:
         return self.core.step() if self.core.has_work() else []
 
-    def call_utility_per_rank(self, method: str) -> list[dict]:
+    def call_utility_per_rank(self, method: str, *, timeout_s: float | None = None) -> list[dict]:
         return [self.core.call_utility(method)]
 
     def is_alive(self) -> bool:
@@ -378,13 +381,17 @@ class MPClient(EngineCoreClient):
 
     # ----- utilities -----
 
-    def call_utility_per_rank(self, method: str) -> list[dict]:
+    def call_utility_per_rank(self, method: str, *, timeout_s: float | None = None) -> list[dict]:
         # outputs that arrive meanwhile are kept for get_outputs
         call_id = next(self._call_ids)
         for rank in range(self.num_ranks):
             self._send(rank, UtilityCall(call_id=call_id, method=method))
         keys = [(rank, call_id) for rank in range(self.num_ranks)]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not all(k in self._utility_results for k in keys):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{method}: not every engine core answered within "
+                                   f"{timeout_s:g} s")
             self._poll(POLL_SLICE_S)
         results = [self._utility_results.pop(k) for k in keys]
         for r in results:

@@ -301,9 +301,14 @@ class LLMEngine:
         """
         return {**self._call_recovering(self.client.get_stats), **self._front_end_counters()}
 
-    def get_rank_stats(self) -> list[dict]:
-        """Each DP rank's stats (one rank: ``[get_stats()]``); recovers as :meth:`get_stats`."""
-        return self._call_recovering(self.client.get_rank_stats)
+    def get_rank_stats(self, *, timeout_s: float | None = None) -> list[dict]:
+        """Each DP rank's stats (one rank: ``[get_stats()]``); recovers as :meth:`get_stats`.
+
+        Raises:
+            TimeoutError: not every rank answered within ``timeout_s`` seconds (None: no limit
+                but the hang timeout).
+        """
+        return self._call_recovering(lambda: self.client.get_rank_stats(timeout_s=timeout_s))
 
     def get_expert_load(self):
         """EPLB's last closed window: the tokens routed to each logical expert, int64 numpy

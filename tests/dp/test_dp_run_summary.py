@@ -70,3 +70,24 @@ def test_recorded_expert_load_without_eplb():
     after = [_stats(r, eplb_balancedness=0.6249) for r in range(2)]
     assert "EP 4 experts (2 a rank, expert load balancedness 0.62), TBO off;" in \
         dp_summary_line(after, config=config, num_experts=4)
+
+
+def test_ranks_that_left_before_the_summary_are_not_waited_for(capsys):
+    """A launched deployment's ranks may stop on the launcher's SIGTERM before the front end
+    asks for their stats: the summary gives up after its short deadline, saying so, instead of
+    waiting out the hang timeout past the launcher's SIGKILL."""
+    from types import SimpleNamespace
+
+    from atom.dp.run_summary import SUMMARY_TIMEOUT_S, print_dp_summary
+
+    asked = []
+
+    def get_rank_stats(*, timeout_s=None):
+        asked.append(timeout_s)
+        raise TimeoutError("get_stats: not every engine core answered")
+
+    engine = SimpleNamespace(config=EngineConfig(data_parallel_size=2),
+                             get_rank_stats=get_rank_stats)
+    print_dp_summary(engine)
+    assert asked == [SUMMARY_TIMEOUT_S]
+    assert "no DP summary: the ranks did not answer" in capsys.readouterr().err

@@ -49,7 +49,7 @@ class ScriptedClient(EngineCoreClient):
             raise item
         return item
 
-    def call_utility_per_rank(self, method):
+    def call_utility_per_rank(self, method, *, timeout_s=None):
         return [{}]
 
     def is_alive(self):

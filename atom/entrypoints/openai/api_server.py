@@ -63,7 +63,7 @@ from atom.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
-_METRICS_TIMEOUT_S = 10.0  # a stats round trip through every engine core must finish in this
+_METRICS_TIMEOUT_S = 10.0  # a round trip through every engine core (stats, expert load) in this
 
 
 def _health(engine: AsyncEngine) -> tuple[bool, dict]:
@@ -164,7 +164,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, *, api_key: str | 
                            "--record-expert-load (or --enable-eplb), with "
                            "--enable-expert-parallel and --data-parallel-size > 1",
                            code="expert_load_off")
-        return await engine.call(_expert_load, timeout_s=_HEALTH_TIMEOUT_S)
+        return await engine.call(_expert_load, timeout_s=_METRICS_TIMEOUT_S)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
