@@ -49,6 +49,7 @@ from atom.core.kv_connector import KVConnectorScheduler
 from atom.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.core.seq_outputs import finish_output
 from atom.core.sequence import FinishReason, Sequence
+from atom.core.structured_output import StructuredOutputManager
 from atom.core.tbo_split import can_split
 from atom.engine.step_worker import StepWorker
 from atom.messages import EngineCoreRequest, SeqOutput, check_token_ids
@@ -91,7 +92,10 @@ class EngineCore:
             eos_token_ids=runtime.eos_token_ids, proposer=_ngram_proposer(config),
             connector=None if config.kv_role is None else KVConnectorScheduler(
                 config.kv_role, block_size=config.block_size, host=config.kv_transfer_host,
-                port=worker.kv_transfer_port))
+                port=worker.kv_transfer_port),
+            structured=StructuredOutputManager(
+                vocab_size=runtime.vocab_size, eos_token_ids=runtime.eos_token_ids,
+                load_tokenizer_json=lambda: _tokenizer_json(config.model)))
         self.kv_event_publisher = (_start_publisher(config, dp_rank)
                                    if kv_event_publisher is None else kv_event_publisher)
         self._requests: dict[str, list[Sequence]] = {}
@@ -297,6 +301,7 @@ class EngineCore:
         connector. Idempotent."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        self.scheduler.structured.close()
         self.worker.close()
 
     def call_utility(self, method: str) -> dict:
@@ -308,6 +313,19 @@ class EngineCore:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}; known: {list(UTILITY_METHODS)}")
         return getattr(self, method)()
+
+
+def _tokenizer_json(model: str | None) -> str:
+    """``model``'s tokenizer as ``tokenizer.json`` text, padding and truncation off (what
+    llguidance wraps; called on the grammar thread at the first constrained request)."""
+    import copy
+
+    from atom.worker.model_files import load_tokenizer
+
+    backend = copy.copy(load_tokenizer(model).backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def _ngram_proposer(config: EngineConfig):
