@@ -3,7 +3,9 @@
 Requests follow the OpenAI API reference for ``/v1/completions`` and ``/v1/chat/completions``
 plus vLLM's sampling extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``).
-Unknown fields are ignored (``extra="ignore"``); a known field with a value of the wrong type
+Unknown fields are ignored (``extra="ignore"``), except that what changes the output's shape is
+known here and either honoured or refused with a 400 (``response_format``, vLLM's
+``structured_outputs`` / ``guided_*``, ``tools``); a known field with a value of the wrong type
 (or a NaN / infinite float) fails validation, which the server turns into a 400 (:mod:`atom.entrypoints.openai.api_server`).
 Range checks live in one place, :class:`atom.sampling_params.SamplingParams`.
 
@@ -28,6 +30,25 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not: either way
+    the output is constrained to ``schema``)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``response_format``: ``text`` (free), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Request):
@@ -57,6 +78,16 @@ class SamplingFields(_Request):
     # P/D disaggregation (atom.core.kv_connector; set by atom pd-proxy): the fields of
     # atom.messages.KVTransferParams
     kv_transfer_params: dict[str, Any] | None = None
+    # structured outputs (atom.entrypoints.openai.structured): OpenAI's, then vLLM's; at most
+    # one of them per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted when it names what runs: a 400 else
+    guided_whitespace_pattern: str | None = None  # not supported: a 400 when set
 
 
 class CompletionRequest(SamplingFields):
@@ -88,6 +119,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # tool calling is not implemented: tools with any tool_choice but "none" are a 400
+    # (atom.entrypoints.openai.structured.check_tools); "none" renders no tools
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):

@@ -33,7 +33,7 @@ from atom.messages import KVTransferParams, check_token_ids
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.outputs import CompletionOutput, RequestOutput
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import SamplingParams, StructuredOutputsParams
 
 _MAX_N = 128  # OpenAI's limit on choices per request
 _MIN_LOGPROB = -9999.0  # -inf is not JSON: clamp (as vLLM does)
@@ -138,8 +138,11 @@ class OpenAIServing:
                            code="model_not_found")
 
     def sampling_params(self, req: p.SamplingFields, *, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams of a request (temperature and top_p default to 1, as OpenAI).
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
+        """SamplingParams of a request (temperature and top_p default to 1, as OpenAI;
+        ``structured_outputs``: :func:`atom.entrypoints.openai.structured.structured_outputs_of`).
 
         Raises:
             APIError: a value out of range (``param`` names the field).
@@ -163,7 +166,8 @@ class OpenAIServing:
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=bias)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=bias,
+            structured_outputs=structured_outputs)
         try:
             return SamplingParams(**options)
         except ValueError as exc:

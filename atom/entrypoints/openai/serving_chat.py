@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, UsageTally
 from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
+from atom.entrypoints.openai.structured import check_tools, structured_outputs_of
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, *,
@@ -29,7 +30,9 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_top)
+    check_tools(req)
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
+                                     structured_outputs=structured_outputs_of(req))
     prompt = serving.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
     serving.check_prompt(prompt, params, param="messages")
     tally = UsageTally()
