@@ -12,23 +12,8 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.sampling_params import StructuredOutputsParams
+from tests.entrypoints.schemas import PERSON
 
-# nested objects, enums, arrays; strings and arrays bounded so that a sample always ends
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 16},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-    "additionalProperties": False,
-}
 PROMPTS = [f"Write a JSON record for person number {i}:" for i in range(10)]
 
 

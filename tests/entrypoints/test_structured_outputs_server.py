@@ -1,0 +1,136 @@
+"""Structured outputs over HTTP with the official ``openai`` client, on one rank and on DP=2:
+``response_format`` (``json_schema``, ``json_object``), vLLM's ``guided_*`` and
+``structured_outputs``, ``client.chat.completions.parse``, and the 400s for what is refused.
+JSON is sampled at temperature 1.0 (seeded), 10 requests at once, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.entrypoints.remote_server import MODEL
+from tests.entrypoints.schemas import PERSON
+
+
+def chat_texts(client, stream: bool, **kwargs) -> list[tuple[str, str]]:
+    """(text, finish_reason) of 10 chat requests sent at once (seeds 0..9)."""
+    def one(i: int) -> tuple[str, str]:
+        messages = [{"role": "user", "content": f"Describe person {i} as JSON."}]
+        if not stream:
+            r = client.chat.completions.create(model=MODEL, messages=messages, seed=i,
+                                               temperature=1.0, **kwargs)
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        text, finish = "", None
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, seed=i,
+                                                    temperature=1.0, stream=True, **kwargs):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        return text, finish
+
+    with ThreadPoolExecutor(10) as pool:
+        return list(pool.map(one, range(10)))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_json_schema_with_nested_objects_enums_and_arrays(any_server, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+    results = chat_texts(any_server.client(), stream, response_format=fmt, max_tokens=160)
+    for text, finish in results:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len({text for text, _ in results}) > 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_json_object(any_server, stream):
+    """As offline: a 135M model's free JSON at temperature 1.0 may hit max_tokens; those stay
+    open objects, the ones that end parse as objects."""
+    results = chat_texts(any_server.client(), stream, response_format={"type": "json_object"},
+                         max_tokens=300)
+    finished = [text for text, finish in results if finish == "stop"]
+    assert len(finished) >= 3, results
+    for text in finished:
+        assert isinstance(json.loads(text), dict), text
+    assert all(text.startswith("{") for text, _ in results)
+
+
+def test_guided_fields_on_completions(any_server):
+    client = any_server.client()
+    choices = ["yes", "no", "maybe"]
+    r = client.completions.create(model=MODEL, prompt=["Is the sky blue?", "Is fire cold?"],
+                                  max_tokens=8, temperature=1.0, seed=1, n=2,
+                                  extra_body={"guided_choice": choices})
+    assert len(r.choices) == 4 and all(c.text in choices for c in r.choices)
+    pattern = r"[0-9]{3}-[0-9]{4}"
+    r = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=16,
+                                  temperature=1.0, seed=2, extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+    r = client.completions.create(model=MODEL, prompt="A person:", max_tokens=160, seed=3,
+                                  extra_body={"guided_json": json.dumps(PERSON)})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    r = client.completions.create(model=MODEL, prompt="Sum:", max_tokens=32, seed=4,
+                                  extra_body={"structured_outputs": {
+                                      "grammar": 'root ::= [0-9] "+" [0-9] "=" [0-9]+'}})
+    assert re.fullmatch(r"[0-9]\+[0-9]=[0-9]+", r.choices[0].text), r.choices[0].text
+
+
+def test_chat_completions_parse_with_a_pydantic_model(server):
+    class Answer(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+
+    r = server.client().chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Where is the Eiffel tower?"}],
+        response_format=Answer, max_tokens=64, temperature=0)
+    assert isinstance(r.choices[0].message.parsed, Answer), r.choices[0].message
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"extra_body": {"guided_regex": "[a-z"}}, "guided_regex", "unclosed character class"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}},
+     "response_format", "response_format.json_schema.schema does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}},
+     "guided_choice", "at most one of response_format, guided_choice"),
+    ({"extra_body": {"structured_outputs": {"json": {}, "whitespace_pattern": " "}}},
+     "structured_outputs", "structured_outputs.whitespace_pattern is not supported"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}},
+     "structured_outputs", "exactly one of"),
+    ({"extra_body": {"guided_choice": []}}, "guided_choice", "choice is invalid"),
+    ({"extra_body": {"guided_json": "{}", "guided_whitespace_pattern": " "}},
+     "guided_whitespace_pattern", "not supported"),
+    ({"extra_body": {"guided_regex": "a", "guided_decoding_backend": "outlines"}},
+     "guided_decoding_backend", "this server runs llguidance"),
+    ({"extra_body": {"guided_regex": "a", "ignore_eos": True}}, "ignore_eos", "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools", "tool calling is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": "required"}, "tool_choice", "tool calling is not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
+])
+def test_unsupported_or_invalid_asks_are_400_naming_the_field(any_server, body, param, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        any_server.client().chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "Hi"}], max_tokens=4, **body)
+    error = info.value.body
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert message in error["message"], error
+
+
+def test_tool_choice_none_renders_no_tools_and_text_format_is_free(any_server):
+    r = any_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice="none", response_format={"type": "text"})
+    assert r.choices[0].message.content
