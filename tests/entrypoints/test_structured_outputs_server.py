@@ -114,9 +114,16 @@ def test_chat_completions_parse_with_a_pydantic_model(server):
      "guided_decoding_backend", "this server runs llguidance"),
     ({"extra_body": {"guided_regex": "a", "ignore_eos": True}}, "ignore_eos", "structured_outputs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools", "tool calling is not supported"),
+     "tools", "needs a tool-call parser"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-      "tool_choice": "required"}, "tool_choice", "tool calling is not supported"),
+      "tool_choice": "auto"}, "tool_choice", "needs a tool-call parser"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0] must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "constrain the output already"),
     ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
 ])
 def test_unsupported_or_invalid_asks_are_400_naming_the_field(any_server, body, param, message):
@@ -134,3 +141,52 @@ def test_tool_choice_none_renders_no_tools_and_text_format_is_free(any_server):
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         tool_choice="none", response_format={"type": "text"})
     assert r.choices[0].message.content
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 12}}, "required": ["zone"],
+        "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def tool_calls(client, stream: bool, tool_choice, seed: int):
+    """(tool_calls as dicts, finish_reason) of one chat request with both tools."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, seed=seed,
+                  max_tokens=120)
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        message = r.choices[0].message
+        assert message.content is None, message
+        return [c.model_dump() for c in message.tool_calls], r.choices[0].finish_reason
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            assert not c.delta.content
+            for call in c.delta.tool_calls or []:
+                calls[call.index] = call.model_dump(exclude={"index"})
+            finish = c.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_tool_choice_required_and_named_return_valid_tool_calls(any_server, stream):
+    client = any_server.client()
+    for seed in range(3):
+        calls, finish = tool_calls(client, stream, "required", seed)
+        assert finish == "tool_calls" and calls
+        for call in calls:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                SCHEMAS[call["function"]["name"]])
+        named = {"type": "function", "function": {"name": "get_time"}}
+        calls, finish = tool_calls(client, stream, named, seed)
+        assert finish == "stop" and [c["function"]["name"] for c in calls] == ["get_time"]
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS["get_time"])

@@ -223,8 +223,11 @@ class OpenAIServing:
         return [_Prompt(x, self.tokenizer.encode(x, add_special_tokens=False)) if isinstance(x, str)
                 else _Prompt(None, list(x)) for x in prompt]
 
-    def chat_prompt(self, messages: list[p.ChatMessage], *, add_generation_prompt: bool) -> _Prompt:
-        """The chat template applied to ``messages`` (text content only).
+    def chat_prompt(self, messages: list[p.ChatMessage], *, add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> _Prompt:
+        """The chat template applied to ``messages`` (text content only; an assistant's
+        ``tool_calls`` and a tool message's ``tool_call_id`` passed on) and ``tools`` (rendered
+        where the template knows them).
 
         Raises:
             APIError: no messages, a non-text content part, or a template error.
@@ -239,10 +242,13 @@ class OpenAIServing:
                        for part in content):
                     raise APIError("only text content parts are supported", param="messages")
                 content = "".join(part["text"] for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
+            extra = {key: value for key, value in (m.model_extra or {}).items()
+                     if key in ("tool_calls", "tool_call_id", "name")}
+            conversation.append({"role": m.role, "content": content or "", **extra})
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conversation, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2 raises its own errors for malformed conversations
             raise APIError(f"the chat template failed on these messages: {exc}",
                            param="messages") from exc

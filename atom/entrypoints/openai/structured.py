@@ -11,8 +11,7 @@ the client used, before anything reaches the engine. ``guided_whitespace_pattern
 ``guided_decoding_backend`` is accepted only when it names what runs (``guidance`` /
 ``llguidance``, or ``auto``).
 
-Tool calling does not exist yet: ``tools`` with a ``tool_choice`` other than ``"none"`` (the
-OpenAI default with tools is ``"auto"``) is a 400 that says so; ``"none"`` renders no tools.
+Tools constrain the output too: :mod:`atom.entrypoints.openai.tool_calls`.
 """
 
 from __future__ import annotations
@@ -94,22 +93,3 @@ def _fields(req: p.SamplingFields, field: str) -> dict:
                            param="structured_outputs")
         return req.structured_outputs
     return {_GUIDED[field]: getattr(req, field)}
-
-
-def check_tools(req: p.ChatCompletionRequest) -> None:
-    """Refuse what asks for tool calls (not implemented yet); ``tool_choice: "none"`` passes
-    (the tools are not rendered).
-
-    Raises:
-        APIError: ``tools`` with a ``tool_choice`` other than ``"none"``, or ``tool_choice``
-            without ``tools``.
-    """
-    if req.tools is None:
-        if req.tool_choice not in (None, "none"):
-            raise APIError("tool_choice needs tools", param="tool_choice")
-        return
-    if req.tool_choice != "none":
-        choice = "auto (the default with tools)" if req.tool_choice is None else repr(req.tool_choice)
-        raise APIError(f"tool calling is not supported by this server yet: tool_choice={choice} "
-                       f"needs it; send tool_choice='none' or no tools",
-                       param="tool_choice" if req.tool_choice is not None else "tools")
