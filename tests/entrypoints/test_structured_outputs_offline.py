@@ -72,3 +72,19 @@ def test_a_spec_that_does_not_compile_is_a_value_error_before_the_engine(llm):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
     with pytest.raises(ValueError, match="exactly one of"):
         SamplingParams(structured_outputs={"regex": "a", "json_object": True})
+
+
+def test_with_speculation_constrained_sequences_take_no_drafts_and_others_still_do():
+    """n-gram speculation on: a free prompt that repeats itself verifies drafts in the same
+    batch as a constrained one, which stays within its grammar (it gets no draft slots)."""
+    pattern = r"(ab){2,40}"
+    with LLM(max_model_len=256, num_kv_blocks=32, block_size=16, speculative_method="ngram",
+             num_speculative_tokens=3) as spec_llm:
+        free, constrained = spec_llm.generate(
+            ["one two three one two three one two three one two", "Letters:"],
+            [SamplingParams(temperature=0, max_tokens=24),
+             SamplingParams(temperature=1.0, seed=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))])
+        stats = spec_llm.get_stats()
+    assert re.fullmatch(pattern, constrained.outputs[0].text), constrained.outputs[0].text
+    assert stats["spec_num_draft_tokens"] > 0 and free.outputs[0].text
