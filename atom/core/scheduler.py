@@ -39,8 +39,9 @@ take these paths.
 
 Structured outputs (:mod:`atom.core.structured_output`): a sequence with
 ``structured_outputs`` waits in ``waiting_for_grammar`` (status ``WAITING_FOR_GRAMMAR``) while its
-grammar compiles on the manager's thread, joins the waiting queue when :meth:`schedule` finds it
-ready (or finishes with ``error``), gets no draft slots, and has its grammar's token bitmask in
+grammar compiles on the manager's thread, joins the waiting queue when
+:meth:`Scheduler.queue_ready_grammars` (called before each step) finds it ready (or finishes
+with ``error``), gets no draft slots, and has its grammar's token bitmask in
 ``SchedulerOutput.grammar_bitmask`` whenever the step samples it; ``update_from_output`` advances
 its matcher with every token it appends.
 """
@@ -193,6 +194,7 @@ class Scheduler:
         self.kv_kept: dict[str, Sequence] = {}
         self.structured = structured
         self.waiting_for_grammar: list[Sequence] = []  # arrival order
+        self._grammar_failed: list[Sequence] = []  # until the next schedule() reports them
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -431,9 +433,8 @@ class Scheduler:
                 for this step; decodes still run. The DP loop passes the cross-rank decision.
         """
         self.num_steps += 1
-        failed = self._queue_ready_grammars() if self.waiting_for_grammar else []
         out = self._walk(allow_prefill=allow_prefill)
-        out.failed = failed
+        out.failed, self._grammar_failed = self._grammar_failed, []
         if self.structured is not None:
             out.grammar_bitmask = self.structured.bitmask(
                 [seq.seq_id for seq in out.sampled_seqs()
@@ -443,10 +444,15 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
-    def _queue_ready_grammars(self) -> list[Sequence]:
+    def queue_ready_grammars(self) -> None:
         """Move the sequences whose grammar is ready to the waiting queue (in arrival order,
-        behind those already waiting); finish those whose grammar failed. Returns those."""
-        failed, still = [], []
+        behind those already waiting); finish those whose grammar failed (reported by the next
+        :meth:`schedule`'s ``failed``). Called before a step's :meth:`preview_admission` and
+        :meth:`schedule` (``EngineCore.step``; the DP loop before its control exchange), never
+        inside them, so a dry run and the step it predicts see the same queue."""
+        if not self.waiting_for_grammar:
+            return
+        still = []
         for seq in self.waiting_for_grammar:
             ready = self.structured.poll(seq.seq_id)
             if ready is False:
@@ -457,9 +463,8 @@ class Scheduler:
                 self.waiting.append(seq)
             else:
                 self._finish(seq, FinishReason.ERROR, error_message=ready)
-                failed.append(seq)
+                self._grammar_failed.append(seq)
         self.waiting_for_grammar = still
-        return failed
 
     def _walk(self, *, allow_prefill: bool, claims: DryRunClaims | None = None) -> SchedulerOutput:
         """The one admission rule of :meth:`schedule` and :meth:`preview_admission`. With

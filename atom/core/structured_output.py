@@ -29,7 +29,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -155,6 +155,14 @@ class StructuredOutputManager:
             return f"the tokens generated so far do not match the grammar: {matcher.get_error()}"
         self._matchers[seq_id] = matcher
         return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a pending compile finishes or ``timeout_s`` passes: a step with nothing
+        but sequences waiting for their grammar waits here instead of spinning (the spinning
+        loop would hold the GIL and a core from the compile it waits for)."""
+        if self._pending:
+            wait([future for future, _ in self._pending.values()], timeout=timeout_s,
+                 return_when=FIRST_COMPLETED)
 
     # ----- the step -----
 

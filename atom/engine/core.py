@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 # what a UtilityCall may name
 UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "get_cached_block_hashes")
 _KV_WAIT_S = 0.01  # a step with only remote KV pulls in flight waits this long for one
+_GRAMMAR_WAIT_S = 0.01  # a step with only grammars compiling waits this long for one
 
 
 class EngineCore:
@@ -95,7 +96,7 @@ class EngineCore:
                 port=worker.kv_transfer_port),
             structured=StructuredOutputManager(
                 vocab_size=runtime.vocab_size, eos_token_ids=runtime.eos_token_ids,
-                load_tokenizer_json=lambda: _tokenizer_json(config.model)))
+                load_tokenizer_json=lambda: tokenizer_json(config.model)))
         self.kv_event_publisher = (_start_publisher(config, dp_rank)
                                    if kv_event_publisher is None else kv_event_publisher)
         self._requests: dict[str, list[Sequence]] = {}
@@ -189,12 +190,16 @@ class EngineCore:
                 or self.worker.has_pending_kv_output())
 
     def step(self) -> list[SeqOutput]:
-        """One tick: :meth:`schedule`, then :meth:`execute` (as two micro-batches when
+        """One tick: the sequences whose grammar compiled join the waiting queue, then
+        :meth:`schedule`, then :meth:`execute` (as two micro-batches when
         :meth:`tbo_eligible`). Returns what changed; rejected requests' finishes come first."""
+        self.scheduler.queue_ready_grammars()  # compiled off the loop: now they may run
         sched = self.schedule()
         outputs = self.execute(sched, two_batch_overlap=self.tbo_eligible(sched))
         if sched.is_empty and self.scheduler.waiting_for_remote_kvs:
             self.worker.wait_for_kv_transfers(_KV_WAIT_S)  # only pulls in flight: no spinning
+        elif sched.is_empty and self.scheduler.waiting_for_grammar:
+            self.scheduler.structured.wait(_GRAMMAR_WAIT_S)  # only compiles: no spinning
         return outputs
 
     def tbo_eligible(self, sched: SchedulerOutput) -> bool:
@@ -315,7 +320,7 @@ class EngineCore:
         return getattr(self, method)()
 
 
-def _tokenizer_json(model: str | None) -> str:
+def tokenizer_json(model: str | None) -> str:
     """``model``'s tokenizer as ``tokenizer.json`` text, padding and truncation off (what
     llguidance wraps; called on the grammar thread at the first constrained request)."""
     import copy

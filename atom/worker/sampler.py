@@ -121,8 +121,16 @@ class Sampler:
     def _process(self, logits: torch.Tensor, seqs: list[Sequence],
                  bitmask: dict[int, np.ndarray]) -> torch.Tensor:
         for row, seq in enumerate(seqs):
-            self.process_row(logits[row], seq.sampling_params, seq.prompt_token_ids,
-                             seq.output_token_ids, token_bitmask=bitmask.get(seq.seq_id))
+            if _needs_processing(seq):
+                self.process_row(logits[row], seq.sampling_params, seq.prompt_token_ids,
+                                 seq.output_token_ids)
+        rows = [row for row, seq in enumerate(seqs) if seq.seq_id in bitmask]
+        if rows:  # last, as process_row does; one unpack for every constrained row
+            masks = np.stack([bitmask[seqs[row].seq_id] for row in rows])
+            allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
+            index = torch.tensor(rows)
+            logits[index] = logits[index].masked_fill(
+                torch.from_numpy(allowed[:, :logits.shape[1]] == 0), _NEG_INF)
         return logits
 
     def process_row(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],

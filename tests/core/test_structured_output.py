@@ -68,7 +68,9 @@ def allowed(mask: np.ndarray) -> list[str | int]:
 
 
 def step(sched: Scheduler, tokens: dict[int, int]):
-    """One step emitting ``tokens`` (seq_id -> token) for the sampled sequences."""
+    """One step emitting ``tokens`` (seq_id -> token) for the sampled sequences (after the
+    grammars ready, as ``EngineCore.step``)."""
+    sched.queue_ready_grammars()
     out = sched.schedule()
     sampled = {s.seq_id for s in out.sampled_seqs()}
     outputs = sched.update_from_output(out, ModelRunnerOutput.from_tokens(
@@ -204,6 +206,7 @@ def test_preemption_keeps_the_matcher_where_the_tokens_are():
     assert seq.num_preemptions == 1 and seq.status is SequenceStatus.WAITING
     num_before = seq.num_output_tokens
     sched.finish(other, FinishReason.ABORT)
+    sched.queue_ready_grammars()
     out = sched.schedule()  # re-admitted: recomputes its tokens, then samples the next letter
     assert seq.num_output_tokens == num_before
     assert allowed(out.grammar_bitmask[seq.seq_id]) == [chr(ord("a") + num_before)]
@@ -215,6 +218,7 @@ def test_a_resumed_request_consumes_its_tokens_before_its_first_mask():
     seq.token_ids += [ord("a"), ord("b")]  # what Scheduler.resume gives it
     sched.add(seq)
     wait_compiled(sched, seq)
+    sched.queue_ready_grammars()
     out = sched.schedule()
     assert allowed(out.grammar_bitmask[seq.seq_id]) == ["c", "d"]
 
@@ -240,3 +244,16 @@ def test_constrained_sequences_get_no_draft_slots():
     out = sched.schedule()
     assert free.seq_id in out.spec_budget and seq.seq_id not in out.spec_budget
     assert seq.seq_id in out.grammar_bitmask
+
+
+def test_a_ready_grammar_joins_the_queue_only_between_steps_so_the_dry_run_stays_exact():
+    sched = make_scheduler()
+    seq = make_seq(Spec(choice=["a"]))
+    sched.add(seq)
+    wait_compiled(sched, seq)
+    preview = sched.preview_admission()
+    out = sched.schedule()  # compiled, but not queued yet: what the dry run said
+    assert preview.num_prefills == 0 and not out.scheduled
+    sched.queue_ready_grammars()
+    assert sched.preview_admission().num_prefills == 1
+    assert [s for s, _ in sched.schedule().scheduled] == [seq]
