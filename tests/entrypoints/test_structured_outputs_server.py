@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -14,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.entrypoints.remote_server import MODEL
+from tests.entrypoints.remote_server import API_KEY, ATOM, MODEL, RemoteServer
 from tests.entrypoints.schemas import PERSON
 
 
@@ -190,3 +191,46 @@ def test_tool_choice_required_and_named_return_valid_tool_calls(any_server, stre
         calls, finish = tool_calls(client, stream, named, seed)
         assert finish == "stop" and [c["function"]["name"] for c in calls] == ["get_time"]
         jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS["get_time"])
+
+
+@pytest.fixture(scope="module")
+def auto_server():
+    srv = RemoteServer("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       api_key=API_KEY)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_auto_tool_choice_parses_the_calls_the_model_writes(auto_server, stream):
+    """The model's own Hermes syntax, forced here by a regex so that a 135M model writes it:
+    the parser turns the generated text into tool_calls, the text before it into content."""
+    forced = (r'Checking\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}'
+              r'</tool_call>')
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What time is it?"}],
+                  tools=[WEATHER, TIME], max_tokens=64, temperature=1.0, seed=0,
+                  extra_body={"guided_regex": forced})
+    client = auto_server.client()
+    if stream:
+        content, calls, finish = "", [], None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+    else:
+        r = client.chat.completions.create(**kwargs)
+        content, calls = r.choices[0].message.content, r.choices[0].message.tool_calls
+        finish = r.choices[0].finish_reason
+    assert content == "Checking." and finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_time"])
+    # without the regex the model writes what it likes: content, or calls that parse
+    r = client.chat.completions.create(**{**kwargs, "extra_body": {}})
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+
+def test_auto_tool_choice_flags_go_together():
+    done = subprocess.run([ATOM, "serve", "--enable-auto-tool-choice"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "--tool-call-parser" in done.stderr, done.stderr

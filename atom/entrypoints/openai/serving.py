@@ -119,11 +119,14 @@ class OpenAIServing:
             the engine thread never share one).
         model_name: the served model name (requests naming another model get a 404).
         max_model_len, vocab_size: from the engine's runtime (context and id checks).
+        tool_parser: reads ``tool_choice: "auto"`` calls (``--tool-call-parser``;
+            :mod:`atom.entrypoints.openai.tool_parsers`); None: "auto" is a 400.
     """
 
     def __init__(self, engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int,
-                 vocab_size: int):
+                 vocab_size: int, tool_parser=None):
         self.engine = engine
+        self.tool_parser = tool_parser
         self.tokenizer = copy.deepcopy(tokenizer)
         self.model_name = model_name
         self.max_model_len = max_model_len

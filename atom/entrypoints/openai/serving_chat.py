@@ -11,7 +11,7 @@ from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, UsageTally
 from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
 from atom.entrypoints.openai.structured import structured_outputs_of
-from atom.entrypoints.openai.tool_calls import ToolPlan, plan_tools, tool_calls_of
+from atom.entrypoints.openai.tool_calls import ToolPlan, parse_output, plan_tools
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, *,
@@ -31,13 +31,14 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    plan, spec = plan_tools(req), structured_outputs_of(req)
-    if plan is not None and spec is not None:
+    plan, spec = plan_tools(req, serving.tool_parser), structured_outputs_of(req)
+    if plan is not None and plan.spec is not None and spec is not None:
         raise APIError("tools with tool_choice 'required' or a named function constrain the "
                        "output already: drop response_format / structured_outputs / guided_*",
                        param="tool_choice")
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
-                                     structured_outputs=spec if plan is None else plan.spec)
+                                     structured_outputs=spec if plan is None or plan.spec is None
+                                     else plan.spec)
     prompt = serving.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
                                  tools=None if plan is None else plan.tools)
     serving.check_prompt(prompt, params, param="messages")
@@ -62,10 +63,11 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
             choice.logprobs.content.extend(logprobs.content)
     if plan is not None:
         for choice in choices.values():
-            calls = (tool_calls_of(plan, choice.message.content)
-                     if choice.finish_reason == "stop" else None)
-            if calls is not None:  # complete: the calls (cut: left as content)
-                choice.message.content, choice.message.tool_calls = None, calls
+            if choice.finish_reason != "stop":  # cut: not a complete call, left as content
+                continue
+            content, calls = parse_output(plan, choice.message.content)
+            if calls is not None:
+                choice.message.content, choice.message.tool_calls = content, calls
                 choice.finish_reason = plan.finish_reason
     return p.ChatCompletionResponse(**header, choices=[choices[i] for i in sorted(choices)],
                                     usage=tally.usage(), kv_transfer_params=tally.kv_transfer_params)
@@ -121,8 +123,9 @@ def _tool_delta(plan: ToolPlan, text: str, finish: str | None) -> tuple[p.DeltaM
     gives back its text as content."""
     if finish is None:
         return p.DeltaMessage(), None
-    calls = tool_calls_of(plan, text) if finish == "stop" else None
+    content, calls = parse_output(plan, text) if finish == "stop" else (text, None)
     if calls is None:
         return p.DeltaMessage(content=text), finish
-    return (p.DeltaMessage(tool_calls=[p.DeltaToolCall(index=i, **call.model_dump())
-                                       for i, call in enumerate(calls)]), plan.finish_reason)
+    return (p.DeltaMessage(content=content, tool_calls=[
+        p.DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]),
+        plan.finish_reason)

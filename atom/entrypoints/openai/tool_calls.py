@@ -9,12 +9,16 @@ JSON schemas and returned as ``tool_calls`` in OpenAI's shape.
   "parameters": {...}}``, each item one of the tools with its own schema (``anyOf``); one call
   per item, ``finish_reason`` ``"tool_calls"``.
 - ``"none"``: no tools are rendered and the output is free text.
-- ``"auto"`` (OpenAI's default when tools are sent) needs a tool-call parser for the model's
-  own call syntax, which does not exist yet: a 400 that says so.
+- ``"auto"`` (OpenAI's default when tools are sent): with ``--enable-auto-tool-choice
+  --tool-call-parser NAME`` the output is free and the parser
+  (:mod:`atom.entrypoints.openai.tool_parsers`) finds the calls the model wrote in its own
+  syntax (``finish_reason`` ``"tool_calls"`` when there are some; the text before them is the
+  content); without a parser, a 400 that says so.
 
 The tools are rendered by the chat template (``tools=``) when it knows them. An output cut by
 ``max_tokens`` is not a complete call: it is returned as ``content`` with ``finish_reason``
-``"length"``.
+``"length"``. Streamed, a choice with tools sends its calls (or its content) in one chunk at
+its finish.
 """
 
 from __future__ import annotations
@@ -40,17 +44,19 @@ class ToolPlan:
         tools: the tools as sent, for the chat template.
     """
 
-    spec: StructuredOutputsParams
+    spec: StructuredOutputsParams | None
     function_name: str | None
     tools: list[dict]
+    parser: object = None  # "auto": a tool_parsers parser (spec None: the output is free)
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.function_name is not None else "tool_calls"
 
 
-def plan_tools(req: p.ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan (None: no tools, or ``tool_choice: "none"``).
+def plan_tools(req: p.ChatCompletionRequest, parser=None) -> ToolPlan | None:
+    """The request's tool plan (None: no tools, or ``tool_choice: "none"``); ``parser``: the
+    server's tool-call parser for ``"auto"`` (None: ``"auto"`` is refused).
 
     Raises:
         APIError: ``tool_choice`` ``"auto"`` (or left out with tools), ``tool_choice``
@@ -65,9 +71,12 @@ def plan_tools(req: p.ChatCompletionRequest) -> ToolPlan | None:
     if choice == "none":
         return None
     schemas = _tool_schemas(req.tools)
+    if (choice is None or choice == "auto") and parser is not None:
+        return ToolPlan(None, None, req.tools, parser)
     if choice is None or choice == "auto":
-        raise APIError("tool_choice='auto' (the default with tools) needs a tool-call parser, "
-                       "which this server does not have yet: send tool_choice='required', a "
+        raise APIError("tool_choice='auto' (the default with tools) needs a tool-call parser: "
+                       "start the server with --enable-auto-tool-choice --tool-call-parser "
+                       "NAME, or send tool_choice='required', a "
                        "named function ({'type': 'function', 'function': {'name': ...}}) or "
                        "'none'", param="tool_choice" if choice is not None else "tools")
     if choice == "required":
@@ -109,17 +118,21 @@ def _tool_schemas(tools: list[dict]) -> dict[str, dict]:
     return schemas
 
 
-def tool_calls_of(plan: ToolPlan, text: str) -> list[p.ToolCall] | None:
-    """The calls in a constrained output that ended with ``stop``; None when ``text`` is not
-    complete JSON (a stop string cut it before the grammar's end)."""
+def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[p.ToolCall] | None]:
+    """``(content, calls)`` of a choice that ended with ``stop``: a constrained output's calls
+    (``(text, None)`` when it is not complete JSON: a stop string cut it before the grammar's
+    end), or what the ``"auto"`` parser found (``(text, None)`` when nothing)."""
+    if plan.parser is not None:
+        content, found = plan.parser.extract(text)
+        return (content, [_call(c.name, c.arguments) for c in found]) if found else (text, None)
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return None
+        return text, None
     if plan.function_name is not None:
-        return [_call(plan.function_name, text)]
-    return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            for item in value]
+        return None, [_call(plan.function_name, text)]
+    return None, [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                  for item in value]
 
 
 def _call(name: str, arguments: str) -> p.ToolCall:
