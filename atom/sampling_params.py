@@ -7,10 +7,73 @@ A msgspec struct, so that the very object a user builds is what travels to the e
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 _MAX_LOGPROBS = 20
 _MIN_TEMPERATURE = 1e-5  # below this, temperature sampling is greedy (vLLM's _SAMPLING_EPS)
+
+
+class StructuredOutputsParams(msgspec.Struct):
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one field set.
+
+    The grammar is compiled per request in the engine core (:mod:`atom.core.structured_output`,
+    llguidance) and masks every sampled token; the output ends with EOS once the grammar is
+    complete. Only shapes are checked here; whether the schema, regex or grammar compiles is
+    checked at the API boundary (:func:`atom.core.structured_output.grammar_error`).
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is a JSON value it accepts.
+        json_object: True: the output is any JSON object (OpenAI's ``json_object``).
+        regex: the output matches this regular expression (Rust ``regex`` syntax).
+        choice: the output is exactly one of these strings.
+        grammar: the output matches this grammar (EBNF / GBNF as llama.cpp, or Lark).
+    """
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in _STRUCTURED_KINDS
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of "
+                             f"{', '.join(_STRUCTURED_KINDS)}; got {kinds or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                decoded = json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {exc}") from None
+            if not isinstance(decoded, (dict, bool)):
+                raise ValueError("StructuredOutputsParams.json must be a JSON schema (an object)")
+        _check_kind(self.json is None or isinstance(self.json, (dict, str)), "json",
+                    "a JSON schema (a dict or its JSON text)")
+        _check_kind(self.json_object in (None, True, False), "json_object", "true")
+        _check_kind(self.regex is None or (isinstance(self.regex, str) and self.regex), "regex",
+                    "a non-empty string")
+        _check_kind(self.choice is None or (isinstance(self.choice, list) and self.choice and all(
+            isinstance(c, str) and c for c in self.choice)), "choice",
+            "a non-empty list of non-empty strings")
+        _check_kind(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
+                    "grammar", "a non-empty grammar (EBNF or Lark)")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set (``json``, ``json_object``, ``regex``, ``choice`` or
+        ``grammar``)."""
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _check_kind(ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"StructuredOutputsParams.{name} is invalid: must be {allowed}")
 
 
 class SamplingParams(msgspec.Struct):
@@ -43,6 +106,10 @@ class SamplingParams(msgspec.Struct):
             in place of the sampled one. Such requests bypass the prefix cache.
         skip_special_tokens: drop special tokens from the detokenized text.
         logit_bias: token id → bias added to its logit before sampling.
+        structured_outputs: a JSON schema, JSON object, regex, choice or grammar the output
+            must match (:class:`StructuredOutputsParams`; None = free text). Such a sequence
+            never speculates (no drafts: each token is masked by its grammar first), and cannot
+            be combined with ``ignore_eos`` or ``min_tokens`` (the grammar's end is EOS).
     """
 
     n: int = 1
@@ -64,6 +131,7 @@ class SamplingParams(msgspec.Struct):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # normalize what may come in another shape; a wrong type stays for its check below
@@ -112,6 +180,19 @@ class SamplingParams(msgspec.Struct):
                    name, value, f"None or an integer in [0, {_MAX_LOGPROBS}]")
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed,
                "None or an integer")
+        if isinstance(self.structured_outputs, dict):  # as vLLM accepts it
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise ValueError(f"SamplingParams.structured_outputs is invalid: {exc}") from None
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "None or StructuredOutputsParams")
+        if self.structured_outputs is not None:
+            _check(not self.ignore_eos, "ignore_eos", self.ignore_eos,
+                   "False with structured_outputs (a complete output ends with EOS)")
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens,
+                   "0 with structured_outputs (the grammar decides the length)")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -299,6 +299,7 @@ class DPEngineCoreProc(EngineCoreProc):
         start_ns = time.perf_counter_ns()
         core = self.core
         self._release_due_arrivals()
+        core.scheduler.queue_ready_grammars()  # before the dry run that the exchange carries
         state = control_state(core.scheduler, has_work=core.has_work() or len(self.arrivals) > 0,
                               shutdown=self._shutdown, wave_id=self.wave_id, tick=self.tick)
         gathered = exchange_control(state, self.groups.control)

@@ -36,6 +36,14 @@ into ``waiting_for_remote_kvs`` (status ``WAITING_FOR_REMOTE_KVS``) instead of b
 and joins the running batch when its pull is done; a producer's finished prefill may keep its
 blocks (``kv_kept``) until the consumer has them. Only sequences with ``kv_transfer_params``
 take these paths.
+
+Structured outputs (:mod:`atom.core.structured_output`): a sequence with
+``structured_outputs`` waits in ``waiting_for_grammar`` (status ``WAITING_FOR_GRAMMAR``) while its
+grammar compiles on the manager's thread, joins the waiting queue when
+:meth:`Scheduler.queue_ready_grammars` (called before each step) finds it ready (or finishes
+with ``error``), gets no draft slots, and has its grammar's token bitmask in
+``SchedulerOutput.grammar_bitmask`` whenever the step samples it; ``update_from_output`` advances
+its matcher with every token it appends.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from atom.core.ngram_proposer import Proposer
 from atom.core.seq_outputs import finish_output, seq_output
 from atom.core.sequence import FinishReason, Sequence, SequenceStatus
 from atom.core.spec_stats import SpecStats
+from atom.core.structured_output import StructuredOutputManager
 from atom.messages import SeqOutput, check_token_ids
 
 if TYPE_CHECKING:
@@ -112,6 +121,13 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     # P/D: what the connector's worker side must start or register before this step's forward
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # structured outputs: seq_id -> int32 [ceil(vocab / 32)] allowed-token bits, for each
+    # constrained sequence this step samples (atom.core.structured_output); the worker masks
+    # its logits with it before sampling
+    grammar_bitmask: dict = field(default_factory=dict)
+    # sequences this schedule() finished with error (a grammar that did not compile); reported
+    # by update_from_output
+    failed: list[Sequence] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -158,11 +174,14 @@ class Scheduler:
             outside after scheduling (:meth:`set_spec_tokens`).
         connector: the scheduler side of the P/D KV connector (:mod:`atom.core.kv_connector`), or
             None. Only sequences with ``kv_transfer_params`` ever reach it.
+        structured: the rank's grammars and matchers (:mod:`atom.core.structured_output`);
+            None: a sequence with ``structured_outputs`` is refused with ``error``.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
                  eos_token_ids: tuple[int, ...] = (), proposer: Proposer | None = None,
-                 connector: KVConnectorScheduler | None = None):
+                 connector: KVConnectorScheduler | None = None,
+                 structured: StructuredOutputManager | None = None):
         if proposer is not None and not proposer.runs_in_scheduler:
             raise ValueError(f"{type(proposer).__name__} cannot run inside the scheduler")
         self.config = config
@@ -173,6 +192,9 @@ class Scheduler:
         # finished but whose blocks are kept for a consumer
         self.waiting_for_remote_kvs: dict[str, Sequence] = {}
         self.kv_kept: dict[str, Sequence] = {}
+        self.structured = structured
+        self.waiting_for_grammar: list[Sequence] = []  # arrival order
+        self._grammar_failed: list[Sequence] = []  # until the next schedule() reports them
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -192,9 +214,17 @@ class Scheduler:
         Returns False when the sequence was rejected (``seq.error_message`` says why).
         """
         reason = error if error is not None else self._never_fits(len(seq.token_ids))
+        spec = seq.sampling_params.structured_outputs
+        if reason is None and spec is not None and self.structured is None:
+            reason = "structured_outputs is not available on this engine"
         if reason is not None:
             self._finish(seq, FinishReason.ERROR, error_message=reason)
             return False
+        if spec is not None:
+            self.structured.submit(seq.seq_id, spec, seq.output_token_ids)
+            seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(seq)
+            return True
         seq.status = SequenceStatus.WAITING
         seq.waiting_since_step = self.num_steps
         self.waiting.append(seq)
@@ -262,6 +292,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
             del self.waiting_for_remote_kvs[seq.request_id]
             self.connector.request_cancelled(seq)  # the KV cache is written on this thread only
+        elif seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, reason, stop_reason=stop_reason)
@@ -274,6 +306,8 @@ class Scheduler:
         seq.error_message = error_message
         seq.spec_token_ids = []
         self._finished_seq_ids.append(seq.seq_id)
+        if self.structured is not None and seq.sampling_params.structured_outputs is not None:
+            self.structured.release(seq.seq_id)
         if seq.block_table:
             if seq.kv_transfer_params is not None and self.connector is not None:
                 keep, seq.kv_transfer_params = self.connector.request_finished(seq, reason)
@@ -313,7 +347,8 @@ class Scheduler:
         return stats
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs
+                    or self.waiting_for_grammar)
 
     def has_pending_prefill(self) -> bool:
         """Waiting sequences or partial prefills exist (work a prefill policy may align)."""
@@ -399,10 +434,37 @@ class Scheduler:
         """
         self.num_steps += 1
         out = self._walk(allow_prefill=allow_prefill)
+        out.failed, self._grammar_failed = self._grammar_failed, []
+        if self.structured is not None:
+            out.grammar_bitmask = self.structured.bitmask(
+                [seq.seq_id for seq in out.sampled_seqs()
+                 if seq.sampling_params.structured_outputs is not None])
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         if self.connector is not None:  # the pulls of the sequences admitted just now
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    def queue_ready_grammars(self) -> None:
+        """Move the sequences whose grammar is ready to the waiting queue (in arrival order,
+        behind those already waiting); finish those whose grammar failed (reported by the next
+        :meth:`schedule`'s ``failed``). Called before a step's :meth:`preview_admission` and
+        :meth:`schedule` (``EngineCore.step``; the DP loop before its control exchange), never
+        inside them, so a dry run and the step it predicts see the same queue."""
+        if not self.waiting_for_grammar:
+            return
+        still = []
+        for seq in self.waiting_for_grammar:
+            ready = self.structured.poll(seq.seq_id)
+            if ready is False:
+                still.append(seq)
+            elif ready is True:
+                seq.status = SequenceStatus.WAITING
+                seq.waiting_since_step = self.num_steps
+                self.waiting.append(seq)
+            else:
+                self._finish(seq, FinishReason.ERROR, error_message=ready)
+                self._grammar_failed.append(seq)
+        self.waiting_for_grammar = still
 
     def _walk(self, *, allow_prefill: bool, claims: DryRunClaims | None = None) -> SchedulerOutput:
         """The one admission rule of :meth:`schedule` and :meth:`preview_admission`. With
@@ -458,6 +520,8 @@ class Scheduler:
         token more than it has drafts), when ``token_budget`` is short, or when the slots would
         need more than ``num_free_blocks`` new blocks (speculation never preempts)."""
         params = seq.sampling_params
+        if params.structured_outputs is not None:
+            return []  # no drafts under a grammar (atom.core.structured_output)
         num = min(self.config.num_speculative_tokens, token_budget,
                   self.config.max_model_len - len(seq.token_ids) - 1)
         if params.max_tokens is not None:
@@ -631,6 +695,7 @@ class Scheduler:
             report nothing.
         """
         outputs = [finish_output(seq) for seq in out.preempted if seq.is_finished]  # cut
+        outputs += [finish_output(seq) for seq in out.failed]
         if output.kv_connector_output is not None:
             outputs += self.update_from_kv_connector_output(output.kv_connector_output)
         by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
@@ -673,9 +738,14 @@ class Scheduler:
         if output.sampled_logprobs is not None:
             seq.cumulative_logprob += output.sampled_logprobs[row][0]
         reason, stop_reason = self._stop_check(seq, token_id)
+        error = None
+        if self.structured is not None and seq.sampling_params.structured_outputs is not None:
+            error = self.structured.accept(seq.seq_id, token_id)
+        if error is not None:  # only a worker that ignored the bitmask gets here
+            reason, stop_reason = FinishReason.ERROR, None
         if reason is not None:
             self.running.remove(seq)
-            self._finish(seq, reason, stop_reason=stop_reason)
+            self._finish(seq, reason, stop_reason=stop_reason, error_message=error)
 
     def _count_verify_step(self) -> None:
         stats = self.spec_stats

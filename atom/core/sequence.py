@@ -27,6 +27,9 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     # P/D consumer: blocks allocated, the prompt's KV being pulled from a producer (atom.core.kv_connector)
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    # structured outputs: its grammar compiling off the step loop (vLLM's WAITING_FOR_FSM;
+    # atom.core.structured_output); outside the waiting queue until it is ready
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     FINISHED = "finished"
 
 

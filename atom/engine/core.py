@@ -49,6 +49,7 @@ from atom.core.kv_connector import KVConnectorScheduler
 from atom.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.core.seq_outputs import finish_output
 from atom.core.sequence import FinishReason, Sequence
+from atom.core.structured_output import StructuredOutputManager
 from atom.core.tbo_split import can_split
 from atom.engine.step_worker import StepWorker
 from atom.messages import EngineCoreRequest, SeqOutput, check_token_ids
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 # what a UtilityCall may name
 UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "get_cached_block_hashes")
 _KV_WAIT_S = 0.01  # a step with only remote KV pulls in flight waits this long for one
+_GRAMMAR_WAIT_S = 0.01  # a step with only grammars compiling waits this long for one
 
 
 class EngineCore:
@@ -91,7 +93,10 @@ class EngineCore:
             eos_token_ids=runtime.eos_token_ids, proposer=_ngram_proposer(config),
             connector=None if config.kv_role is None else KVConnectorScheduler(
                 config.kv_role, block_size=config.block_size, host=config.kv_transfer_host,
-                port=worker.kv_transfer_port))
+                port=worker.kv_transfer_port),
+            structured=StructuredOutputManager(
+                vocab_size=runtime.vocab_size, eos_token_ids=runtime.eos_token_ids,
+                load_tokenizer_json=lambda: tokenizer_json(config.model)))
         self.kv_event_publisher = (_start_publisher(config, dp_rank)
                                    if kv_event_publisher is None else kv_event_publisher)
         self._requests: dict[str, list[Sequence]] = {}
@@ -185,12 +190,16 @@ class EngineCore:
                 or self.worker.has_pending_kv_output())
 
     def step(self) -> list[SeqOutput]:
-        """One tick: :meth:`schedule`, then :meth:`execute` (as two micro-batches when
+        """One tick: the sequences whose grammar compiled join the waiting queue, then
+        :meth:`schedule`, then :meth:`execute` (as two micro-batches when
         :meth:`tbo_eligible`). Returns what changed; rejected requests' finishes come first."""
+        self.scheduler.queue_ready_grammars()  # compiled off the loop: now they may run
         sched = self.schedule()
         outputs = self.execute(sched, two_batch_overlap=self.tbo_eligible(sched))
         if sched.is_empty and self.scheduler.waiting_for_remote_kvs:
             self.worker.wait_for_kv_transfers(_KV_WAIT_S)  # only pulls in flight: no spinning
+        elif sched.is_empty and self.scheduler.waiting_for_grammar:
+            self.scheduler.structured.wait(_GRAMMAR_WAIT_S)  # only compiles: no spinning
         return outputs
 
     def tbo_eligible(self, sched: SchedulerOutput) -> bool:
@@ -297,6 +306,7 @@ class EngineCore:
         connector. Idempotent."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        self.scheduler.structured.close()
         self.worker.close()
 
     def call_utility(self, method: str) -> dict:
@@ -308,6 +318,19 @@ class EngineCore:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}; known: {list(UTILITY_METHODS)}")
         return getattr(self, method)()
+
+
+def tokenizer_json(model: str | None) -> str:
+    """``model``'s tokenizer as ``tokenizer.json`` text, padding and truncation off (what
+    llguidance wraps; called on the grammar thread at the first constrained request)."""
+    import copy
+
+    from atom.worker.model_files import load_tokenizer
+
+    backend = copy.copy(load_tokenizer(model).backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def _ngram_proposer(config: EngineConfig):

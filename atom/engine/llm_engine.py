@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from atom.config import EngineConfig
+from atom.core.structured_output import grammar_error
 from atom.engine.core_client import EngineCoreClient, InprocClient
 from atom.engine.liveness import EngineDeadError, RankFailedError
 from atom.messages import EngineCoreRequest, EngineRuntime, KVTransferParams
@@ -171,12 +172,17 @@ class LLMEngine:
         cannot even carry (an id past 64 bits) fails here.
 
         Raises:
-            ValueError: ``request_id`` is already in use, a bad ``data_parallel_rank``, or
-                ``arrival_tick`` with one rank or below 0.
+            ValueError: ``request_id`` is already in use, a bad ``data_parallel_rank``,
+                ``arrival_tick`` with one rank or below 0, or ``structured_outputs`` that do not
+                compile (:func:`atom.core.structured_output.grammar_error`).
         """
         if arrival_tick is not None and (self.config.data_parallel_size == 1 or arrival_tick < 0):
             raise ValueError(f"arrival_tick={arrival_tick}: tick-clocked arrivals need "
                              f"data_parallel_size > 1 (the DP ranks hold them) and a tick >= 0")
+        if params.structured_outputs is not None:  # the compile itself runs in the core
+            error = grammar_error(params.structured_outputs)
+            if error is not None:
+                raise ValueError(error)
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         rejected = self.output_processor.add_request(request_id, prompt_token_ids, params,
                                                      prompt=prompt, arrival_time_s=arrival)

@@ -100,8 +100,8 @@ class RejectionSampler:
         self.sampler = sampler
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
-                 ) -> VerifyOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], *,
+                 token_bitmask: dict | None = None) -> VerifyOutput:
         """Verify each sequence's drafts.
 
         Args:
@@ -109,6 +109,9 @@ class RejectionSampler:
                 sequence in order, its ``len(drafts[i]) + 1`` rows (module docstring).
             seqs: the verified sequences.
             drafts: their draft tokens (possibly empty: one ordinary sampled token).
+            token_bitmask: seq_id -> its grammar's allowed tokens
+                (:func:`atom.worker.sampler.apply_token_bitmask`), for constrained sequences,
+                which never have drafts (the scheduler reserves none for them).
         Raises:
             ValueError: ``logits`` does not have ``R`` rows.
         """
@@ -121,7 +124,9 @@ class RejectionSampler:
         out = VerifyOutput([], [], [])
         start = 0
         for seq, seq_drafts in zip(seqs, drafts):
-            tokens = self._verify_one(logits, start, argmax, seq, seq_drafts)
+            mask = (token_bitmask or {}).get(seq.seq_id)
+            assert mask is None or not seq_drafts, "a constrained sequence got drafts"
+            tokens = self._verify_one(logits, start, argmax, seq, seq_drafts, mask)
             rows = range(start, start + len(tokens))
             k = seq.sampling_params.logprobs
             out.token_ids.append(tokens)
@@ -132,16 +137,16 @@ class RejectionSampler:
         return out
 
     def _verify_one(self, logits: torch.Tensor, start: int, argmax: list[int], seq: Sequence,
-                    drafts: list[int]) -> list[int]:
+                    drafts: list[int], mask=None) -> list[int]:
         params = seq.sampling_params
         # later rows have more output tokens: a min_tokens mask can only end, never start
-        processing = needs_processing(params, seq.num_output_tokens)
+        processing = needs_processing(params, seq.num_output_tokens) or mask is not None
 
         def processed(j: int) -> torch.Tensor:
             row = logits[start + j].clone()
             if processing:
                 self.sampler.process_row(row, params, seq.prompt_token_ids,
-                                         seq.output_token_ids + drafts[:j])
+                                         seq.output_token_ids + drafts[:j], token_bitmask=mask)
             return row
 
         if params.greedy:

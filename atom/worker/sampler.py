@@ -2,7 +2,7 @@
 
 Order of operations on the float32 logits of the sequences sampled this step (vLLM's order):
 logit_bias → min_tokens mask (EOS and stop ids) → penalties (repetition, then frequency and
-presence) → greedy argmax, or temperature → min_p / top_k / top_p → sample. Logprobs are
+presence) → the grammar's token bitmask (structured outputs: disallowed tokens to -inf) → greedy argmax, or temperature → min_p / top_k / top_p → sample. Logprobs are
 reported from the raw model distribution (before any processing), as vLLM v1 does by default.
 
 Random sampling uses the exponential-race form of the Gumbel trick: ``argmax(p / E)`` with
@@ -89,19 +89,23 @@ class Sampler:
         self._seq_generators.pop(seq_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], *,
+                 token_bitmask: dict[int, np.ndarray] | None = None) -> SamplerOutput:
         """Sample the next token of each sequence.
 
         Args:
             logits: float32 ``[S, vocab]`` next-token logits, one row per sequence of ``seqs``.
             seqs: the sampled sequences (read only; the scheduler appends the tokens).
+            token_bitmask: seq_id -> its grammar's allowed tokens (int32 ``[ceil(vocab / 32)]``
+                bits, :mod:`atom.core.structured_output`) for the constrained sequences.
         """
         logits = logits.float()
+        bitmask = token_bitmask or {}
         # [S]: raw logprob = logit - log_norm; and the raw argmax, the greedy token when no
         # logits processor applies (one fused pass: atom.kernels.fused)
         log_norm, raw_argmax = fused.logsumexp_argmax(logits)
-        if any(_needs_processing(seq) for seq in seqs):
-            processed = self._process(logits.clone(), seqs)
+        if bitmask or any(_needs_processing(seq) for seq in seqs):
+            processed = self._process(logits.clone(), seqs, bitmask)
             token_ids = self._sample(processed, seqs, processed.argmax(dim=-1))
         else:
             token_ids = self._sample(logits, seqs, raw_argmax)
@@ -114,17 +118,27 @@ class Sampler:
                             top_logprobs(logits[row] - log_norm[row], token_list[row], k))
         return SamplerOutput(token_list, logprobs, sampled_lp.tolist())
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence],
+                 bitmask: dict[int, np.ndarray]) -> torch.Tensor:
         for row, seq in enumerate(seqs):
-            self.process_row(logits[row], seq.sampling_params, seq.prompt_token_ids,
-                             seq.output_token_ids)
+            if _needs_processing(seq):
+                self.process_row(logits[row], seq.sampling_params, seq.prompt_token_ids,
+                                 seq.output_token_ids)
+        rows = [row for row, seq in enumerate(seqs) if seq.seq_id in bitmask]
+        if rows:  # last, as process_row does; one unpack for every constrained row
+            masks = np.stack([bitmask[seqs[row].seq_id] for row in rows])
+            allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
+            index = torch.tensor(rows)
+            logits[index] = logits[index].masked_fill(
+                torch.from_numpy(allowed[:, :logits.shape[1]] == 0), _NEG_INF)
         return logits
 
     def process_row(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> None:
+                    output_ids: list[int], *, token_bitmask: np.ndarray | None = None) -> None:
         """Apply the logits processors to one position's float32 ``[vocab]`` logits in place:
         logit_bias, the min_tokens mask, penalties, as if the sequence had ``output_ids``
-        (the speculative verifier passes each draft position's would-be outputs)."""
+        (the speculative verifier passes each draft position's would-be outputs), then
+        ``token_bitmask`` (a grammar's allowed tokens: :func:`apply_token_bitmask`)."""
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             logits[ids] += torch.tensor(list(params.logit_bias.values()))
@@ -137,6 +151,8 @@ class Sampler:
                             presence_penalty=params.presence_penalty,
                             frequency_penalty=params.frequency_penalty,
                             repetition_penalty=params.repetition_penalty)
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor
                 ) -> torch.Tensor:
@@ -180,6 +196,19 @@ def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     ``num_output_tokens`` output tokens."""
     return bool(params.logit_bias) or params.needs_penalties or (
         num_output_tokens < params.min_tokens)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> None:
+    """Set the logits of the tokens ``bitmask`` does not allow to -inf, in place.
+
+    Args:
+        logits: float32 ``[vocab]`` logits of one position.
+        bitmask: int32 ``[ceil(vocab / 32)]``: bit ``t % 32`` (least significant first) of word
+            ``t // 32`` set = token ``t`` allowed (llguidance's and xgrammar's layout).
+    """
+    vocab = logits.shape[0]
+    allowed = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), bitorder="little")
+    logits.masked_fill_(torch.from_numpy(allowed[:vocab] == 0), _NEG_INF)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:

@@ -151,7 +151,8 @@ class Worker:
         if not sched.is_empty:
             model_out = self.runner.execute_model(sched.scheduled,
                                                   two_batch_overlap=two_batch_overlap)
-            output = self._sample(model_out, {seq.seq_id: seq for seq, _ in sched.scheduled})
+            output = self._sample(model_out, {seq.seq_id: seq for seq, _ in sched.scheduled},
+                                  sched.grammar_bitmask)
         if self.kv_connector is not None:
             output.kv_connector_output = self.kv_connector.get_finished()
         output.execute_s = time.perf_counter() - start
@@ -163,8 +164,10 @@ class Worker:
         way with ``two_batch_overlap``) as the ranks that do."""
         self.runner.execute_model([], two_batch_overlap=two_batch_overlap)
 
-    def _sample(self, model_out: ModelOutput, by_id: dict[int, Sequence]) -> ModelRunnerOutput:
-        """Tokens (and logprobs) of the sampled rows; a verify when some sequence had drafts."""
+    def _sample(self, model_out: ModelOutput, by_id: dict[int, Sequence], token_bitmask: dict
+                ) -> ModelRunnerOutput:
+        """Tokens (and logprobs) of the sampled rows; a verify when some sequence had drafts.
+        ``token_bitmask``: the constrained sequences' grammar masks (applied before sampling)."""
         seqs = [by_id[i] for i in model_out.sampled_seq_ids]
         output = ModelRunnerOutput(seq_ids=model_out.sampled_seq_ids,
                                    prompt_logprobs=_prompt_logprobs(model_out.prompt_logits, by_id))
@@ -172,13 +175,14 @@ class Worker:
             return output
         if model_out.num_rows is not None:
             verified = self.rejection_sampler(model_out.logits, seqs,
-                                              [seq.spec_token_ids for seq in seqs])
+                                              [seq.spec_token_ids for seq in seqs],
+                                              token_bitmask=token_bitmask)
             output.sampled_token_ids = verified.token_ids
             output.sampled_logprobs = verified.sampled_logprobs
             output.logprobs = [None if seq.sampling_params.logprobs is None else entries
                                for seq, entries in zip(seqs, verified.logprobs)]
         else:
-            sampled = self.sampler(model_out.logits, seqs)
+            sampled = self.sampler(model_out.logits, seqs, token_bitmask=token_bitmask)
             output.sampled_token_ids = [[t] for t in sampled.token_ids]
             output.sampled_logprobs = [[lp] for lp in sampled.sampled_logprobs]
             output.logprobs = [None if entry is None else [entry] for entry in sampled.logprobs]

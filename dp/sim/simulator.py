@@ -215,6 +215,8 @@ class Simulator:
     def _tick(self) -> None:
         """One tick of every rank (module docstring)."""
         self._release_due()
+        for r in self.ranks:  # as the DP loop: compiled grammars join before the dry run
+            r.core.scheduler.queue_ready_grammars()
         gathered = GatheredControl.from_states([
             control_state(r.core.scheduler, has_work=r.has_work(), shutdown=False,
                           wave_id=self.wave_id, tick=self.tick) for r in self.ranks])

@@ -84,3 +84,31 @@ def test_finished_choices_are_not_run_again_and_a_bad_resume_fails_alone(core):
     assert {i: (c["finish"], c["tokens"]) for i, c in bad.items()} == {
         0: ("error", []), 1: ("error", [])}
     assert core.get_stats()["num_free_blocks"] == 64
+
+
+def test_a_resumed_constrained_request_keeps_its_grammar(core):
+    """Structured outputs after a rank failure: the new rank's matcher consumes the tokens
+    already produced, so the resumed request continues exactly (seeded) and within the
+    grammar, as the undisturbed one did."""
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "size": {"enum": ["S", "M", "L"]}},
+              "required": ["name", "size"], "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                            structured_outputs={"json": schema})
+    whole = _run(core, _request("json-whole", params))[0]
+    assert whole["finish"] == "stop"
+    for k in (1, len(whole["tokens"]) // 2):
+        prefix = whole["tokens"][:k]
+        resumed = _run(core, _request(f"json-resumed{k}", params,
+                                      [ResumedChoice(prefix, 0.0)]))[0]
+        assert prefix + resumed["tokens"] == whole["tokens"]
+    text = _decode(whole["tokens"][:-1])  # EOS last
+    assert set(json.loads(text)) == {"name", "size"}
+
+
+def _decode(token_ids: list[int]) -> str:
+    from atom.worker.model_files import load_tokenizer
+
+    return load_tokenizer(None).decode(token_ids)

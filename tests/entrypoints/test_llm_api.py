@@ -101,7 +101,7 @@ def test_reset_prefix_cache_makes_the_next_prompt_cold(llm):
 
 def test_the_front_end_process_never_imports_torch():
     """A real LLM over its spawned engine-core process (tokenizer, chat template, generation,
-    detokenization) leaves torch out of the front end's own process: only the core loads it
+    detokenization, a structured output's grammar check) leaves torch out of the front end's own process: only the core loads it
     (docs/ARCHITECTURE.md, "The map"; tests/test_layering.py checks the imports statically)."""
     import subprocess
     import sys
@@ -113,6 +113,9 @@ def test_the_front_end_process_never_imports_torch():
         "    out = llm.chat([{'role': 'user', 'content': 'Hi'}],\n"
         "                   SamplingParams(temperature=0.0, max_tokens=2))\n"
         "    assert out[0].outputs[0].text, out\n"
+        "    out = llm.generate('Yes or no?', SamplingParams(max_tokens=4, structured_outputs="
+        "{'choice': ['yes', 'no']}))\n"  # the grammar check runs here (llguidance, no torch)
+        "    assert out[0].outputs[0].text in ('yes', 'no'), out\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)

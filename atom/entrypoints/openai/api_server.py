@@ -56,6 +56,7 @@ from atom.engine.core_proc import dump_stacks_if_still_running
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME
+from atom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from atom.entrypoints.openai.serving import APIError, OpenAIServing, sse, sse_json
 from atom.entrypoints.openai.serving_chat import create_chat_completion
@@ -319,6 +320,9 @@ def run_server(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.skip_tokenizer_init:
         raise ValueError("atom serve needs the tokenizer: drop --skip-tokenizer-init")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's "
+                         "flags): name the model's parser, e.g. --tool-call-parser hermes")
     listener = bind_listener(args.host, args.port)  # before the engine: a busy port fails fast
     model_name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
     metrics = ServerMetrics(model_name, prefill_policy=config.resolved_prefill_policy())
@@ -331,7 +335,9 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         serving = OpenAIServing(async_engine, engine.tokenizer, model_name=model_name,
                                 max_model_len=engine.runtime.max_model_len,
-                                vocab_size=engine.runtime.vocab_size)
+                                vocab_size=engine.runtime.vocab_size,
+                                tool_parser=(None if args.tool_call_parser is None
+                                             else TOOL_PARSERS[args.tool_call_parser]()))
         app = build_app(serving, metrics, api_key=args.api_key)
         banner = (f"serving on {url_of(args.host, args.port)} (model {model_name}, DP "
                   f"{config.data_parallel_size}, EP "

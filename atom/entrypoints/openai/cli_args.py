@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from atom.config import add_engine_args
+from atom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_PORT = 65535
@@ -33,6 +34,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds SIGTERM waits for in-flight requests before aborting them")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (stderr)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice='auto' (the default with tools): the model calls "
+                             "tools in its own syntax, which --tool-call-parser reads")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                        help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, "
+                             "Hermes); needs --enable-auto-tool-choice")
     add_engine_args(parser)
 
 

@@ -3,7 +3,9 @@
 Requests follow the OpenAI API reference for ``/v1/completions`` and ``/v1/chat/completions``
 plus vLLM's sampling extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``).
-Unknown fields are ignored (``extra="ignore"``); a known field with a value of the wrong type
+Unknown fields are ignored (``extra="ignore"``), except that what changes the output's shape is
+known here and either honoured or refused with a 400 (``response_format``, vLLM's
+``structured_outputs`` / ``guided_*``, ``tools``); a known field with a value of the wrong type
 (or a NaN / infinite float) fails validation, which the server turns into a 400 (:mod:`atom.entrypoints.openai.api_server`).
 Range checks live in one place, :class:`atom.sampling_params.SamplingParams`.
 
@@ -28,6 +30,25 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not: either way
+    the output is constrained to ``schema``)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``response_format``: ``text`` (free), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Request):
@@ -60,6 +81,16 @@ class SamplingFields(_Request):
     # not a field of OpenAI's or vLLM's API: declared so that it is refused (a 400 naming the
     # X-data-parallel-rank header, OpenAIServing.routing) rather than silently ignored
     data_parallel_rank: Any = None
+    # structured outputs (atom.entrypoints.openai.structured): OpenAI's, then vLLM's; at most
+    # one of them per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted when it names what runs: a 400 else
+    guided_whitespace_pattern: str | None = None  # not supported: a 400 when set
 
 
 class CompletionRequest(SamplingFields):
@@ -91,6 +122,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # tool calling by constrained decoding (atom.entrypoints.openai.tool_calls): "required" or
+    # a named function; "none" renders no tools; "auto" (the default with tools) is a 400
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -163,16 +198,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -186,16 +233,21 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a P/D producer's: where its KV is
 
 
+class DeltaToolCall(ToolCall):
+    index: int  # the call's position in the choice's tool_calls (OpenAI's stream shape)
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

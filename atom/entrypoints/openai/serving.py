@@ -36,7 +36,7 @@ from atom.messages import KVTransferParams, check_token_ids
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine, Routing
 from atom.outputs import CompletionOutput, RequestOutput
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import SamplingParams, StructuredOutputsParams
 
 _MAX_N = 128  # OpenAI's limit on choices per request
 _MIN_LOGPROB = -9999.0  # -inf is not JSON: clamp (as vLLM does)
@@ -139,11 +139,14 @@ class OpenAIServing:
             the engine thread never share one).
         model_name: the served model name (requests naming another model get a 404).
         max_model_len, vocab_size: from the engine's runtime (context and id checks).
+        tool_parser: reads ``tool_choice: "auto"`` calls (``--tool-call-parser``;
+            :mod:`atom.entrypoints.openai.tool_parsers`); None: "auto" is a 400.
     """
 
     def __init__(self, engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int,
-                 vocab_size: int):
+                 vocab_size: int, tool_parser=None):
         self.engine = engine
+        self.tool_parser = tool_parser
         self.tokenizer = copy.deepcopy(tokenizer)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -177,8 +180,11 @@ class OpenAIServing:
                            code="model_not_found")
 
     def sampling_params(self, req: p.SamplingFields, *, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams of a request (temperature and top_p default to 1, as OpenAI).
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
+        """SamplingParams of a request (temperature and top_p default to 1, as OpenAI;
+        ``structured_outputs``: :func:`atom.entrypoints.openai.structured.structured_outputs_of`).
 
         Raises:
             APIError: a value out of range (``param`` names the field).
@@ -202,7 +208,8 @@ class OpenAIServing:
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=bias)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=bias,
+            structured_outputs=structured_outputs)
         try:
             return SamplingParams(**options)
         except ValueError as exc:
@@ -258,8 +265,11 @@ class OpenAIServing:
         return [_Prompt(x, self.tokenizer.encode(x, add_special_tokens=False)) if isinstance(x, str)
                 else _Prompt(None, list(x)) for x in prompt]
 
-    def chat_prompt(self, messages: list[p.ChatMessage], *, add_generation_prompt: bool) -> _Prompt:
-        """The chat template applied to ``messages`` (text content only).
+    def chat_prompt(self, messages: list[p.ChatMessage], *, add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> _Prompt:
+        """The chat template applied to ``messages`` (text content only; an assistant's
+        ``tool_calls`` and a tool message's ``tool_call_id`` passed on) and ``tools`` (rendered
+        where the template knows them).
 
         Raises:
             APIError: no messages, a non-text content part, or a template error.
@@ -274,10 +284,13 @@ class OpenAIServing:
                        for part in content):
                     raise APIError("only text content parts are supported", param="messages")
                 content = "".join(part["text"] for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
+            extra = {key: value for key, value in (m.model_extra or {}).items()
+                     if key in ("tool_calls", "tool_call_id", "name")}
+            conversation.append({"role": m.role, "content": content or "", **extra})
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conversation, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2 raises its own errors for malformed conversations
             raise APIError(f"the chat template failed on these messages: {exc}",
                            param="messages") from exc

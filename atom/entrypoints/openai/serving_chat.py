@@ -11,6 +11,8 @@ from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import Routing
 from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, UsageTally
 from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
+from atom.entrypoints.openai.structured import structured_outputs_of
+from atom.entrypoints.openai.tool_calls import ToolPlan, parse_output, plan_tools
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, *,
@@ -30,8 +32,16 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_top)
-    prompt = serving.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
+    plan, spec = plan_tools(req, serving.tool_parser), structured_outputs_of(req)
+    if plan is not None and plan.spec is not None and spec is not None:
+        raise APIError("tools with tool_choice 'required' or a named function constrain the "
+                       "output already: drop response_format / structured_outputs / guided_*",
+                       param="tool_choice")
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
+                                     structured_outputs=spec if plan is None or plan.spec is None
+                                     else plan.spec)
+    prompt = serving.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                 tools=None if plan is None else plan.tools)
     serving.check_prompt(prompt, params, param="messages")
     tally = UsageTally()
     header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
@@ -41,7 +51,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(serving, deltas, tally, num_top=num_top, include_usage=include_usage,
-                       header=header)
+                       header=header, plan=plan)
     choices: dict[int, p.ChatChoice] = {}
     async for delta in deltas:
         logprobs = _logprobs(serving, delta, num_top)
@@ -52,6 +62,14 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         if logprobs is not None:
             choice.logprobs.content.extend(logprobs.content)
+    if plan is not None:
+        for choice in choices.values():
+            if choice.finish_reason != "stop":  # cut: not a complete call, left as content
+                continue
+            content, calls = parse_output(plan, choice.message.content)
+            if calls is not None:
+                choice.message.content, choice.message.tool_calls = content, calls
+                choice.finish_reason = plan.finish_reason
     return p.ChatCompletionResponse(**header, choices=[choices[i] for i in sorted(choices)],
                                     usage=tally.usage(), kv_transfer_params=tally.kv_transfer_params)
 
@@ -71,21 +89,44 @@ def _logprobs(serving: OpenAIServing, delta: Delta, num_top: int | None) -> p.Ch
 
 
 async def _stream(serving: OpenAIServing, deltas: AsyncIterator[Delta], tally: UsageTally, *,
-                  num_top: int | None, include_usage: bool, header: dict) -> AsyncIterator[str]:
+                  num_top: int | None, include_usage: bool, header: dict,
+                  plan: ToolPlan | None = None) -> AsyncIterator[str]:
+    """With a tool ``plan`` a choice's text is held until its finish, which comes with its
+    calls (:func:`_tool_delta`); chunks before it carry only logprobs, when asked."""
     def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
         body = p.ChatCompletionChunk(**header, choices=choices, usage=usage).model_dump()
         if not include_usage:
             del body["usage"]
         return sse_json(body)
 
+    held: dict[int, str] = {}  # choice index -> text held back (tool calls)
     async for delta in deltas:
         if delta.first:  # OpenAI's first chunk of a choice carries the role only
             yield chunk([p.ChatChunkChoice(index=delta.index,
                                            delta=p.DeltaMessage(role="assistant", content=""))])
-        yield chunk([p.ChatChunkChoice(index=delta.index, delta=p.DeltaMessage(content=delta.text),
+        message, finish = p.DeltaMessage(content=delta.text), delta.finish_reason
+        if plan is not None:
+            held[delta.index] = held.get(delta.index, "") + delta.text
+            if finish is None and num_top is None:
+                continue
+            message, finish = _tool_delta(plan, held[delta.index], finish)
+        yield chunk([p.ChatChunkChoice(index=delta.index, delta=message,
                                        logprobs=_logprobs(serving, delta, num_top),
-                                       finish_reason=delta.finish_reason,
-                                       stop_reason=delta.stop_reason)])
+                                       finish_reason=finish, stop_reason=delta.stop_reason)])
     if include_usage:
         yield chunk([], tally.usage())
     yield sse("[DONE]")
+
+
+def _tool_delta(plan: ToolPlan, text: str, finish: str | None) -> tuple[p.DeltaMessage, str | None]:
+    """A tool-call choice's chunk: empty before its finish; at a complete finish its calls
+    (OpenAI's stream shape, each with its ``index``) and the plan's finish_reason; a cut one
+    gives back its text as content."""
+    if finish is None:
+        return p.DeltaMessage(), None
+    content, calls = parse_output(plan, text) if finish == "stop" else (text, None)
+    if calls is None:
+        return p.DeltaMessage(content=text), finish
+    return (p.DeltaMessage(content=content, tool_calls=[
+        p.DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]),
+        plan.finish_reason)

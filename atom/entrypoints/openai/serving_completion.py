@@ -17,6 +17,7 @@ from atom.entrypoints.openai.serving import (
     sse,
     sse_json,
 )
+from atom.entrypoints.openai.structured import structured_outputs_of
 
 
 async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
@@ -37,7 +38,8 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, *,
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")
     params = serving.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                     prompt_logprobs=req.logprobs if req.echo else None)
+                                     prompt_logprobs=req.logprobs if req.echo else None,
+                                     structured_outputs=structured_outputs_of(req))
     prompts = serving.completion_prompts(req.prompt)
     for prompt in prompts:
         serving.check_prompt(prompt, params, param="prompt")
