@@ -51,6 +51,7 @@ from atom.core.seq_outputs import finish_output
 from atom.core.sequence import FinishReason, Sequence
 from atom.core.structured_output import StructuredOutputManager
 from atom.core.tbo_split import can_split
+from atom.worker.model_files import tokenizer_json
 from atom.engine.step_worker import StepWorker
 from atom.messages import EngineCoreRequest, SeqOutput, check_token_ids
 
@@ -58,8 +59,7 @@ logger = logging.getLogger(__name__)
 
 # what a UtilityCall may name
 UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "get_cached_block_hashes")
-_KV_WAIT_S = 0.01  # a step with only remote KV pulls in flight waits this long for one
-_GRAMMAR_WAIT_S = 0.01  # a step with only grammars compiling waits this long for one
+_WAIT_S = 0.01  # a step with only remote KV pulls or grammar compiles in flight waits for one
 
 
 class EngineCore:
@@ -160,14 +160,9 @@ class EngineCore:
         self._flush_kv_connector()  # an aborted pull is dropped, its producer told
 
     def finish_requests(self, seq_keys: list[tuple[str, int]], stop_reasons: list[str]) -> None:
-        """The front end found a stop string: finish those sequences with ``stop`` and free
-        their KV blocks now. Not an abort (counted apart). Sequences that already finished here
-        (e.g. on ``max_tokens`` in the step the front end had not seen yet) are ignored.
-
-        Args:
-            seq_keys: ``(request_id, choice index)`` pairs.
-            stop_reasons: the matched stop string of each pair.
-        """
+        """The front end found a stop string (``stop_reasons[i]``) in sequence ``seq_keys[i]``
+        (``(request_id, choice index)``): finish it with ``stop``, free its KV blocks now; not
+        an abort (counted apart); one already finished here (``max_tokens``) is ignored."""
         for (request_id, index), stop in zip(seq_keys, stop_reasons):
             seqs = self._requests.get(request_id, [])
             if not 0 <= index < len(seqs):
@@ -190,16 +185,15 @@ class EngineCore:
                 or self.worker.has_pending_kv_output())
 
     def step(self) -> list[SeqOutput]:
-        """One tick: the sequences whose grammar compiled join the waiting queue, then
-        :meth:`schedule`, then :meth:`execute` (as two micro-batches when
-        :meth:`tbo_eligible`). Returns what changed; rejected requests' finishes come first."""
+        """One tick: compiled grammars' sequences join the waiting queue, :meth:`schedule`,
+        :meth:`execute` (two micro-batches when :meth:`tbo_eligible`); returns what changed."""
         self.scheduler.queue_ready_grammars()  # compiled off the loop: now they may run
         sched = self.schedule()
         outputs = self.execute(sched, two_batch_overlap=self.tbo_eligible(sched))
-        if sched.is_empty and self.scheduler.waiting_for_remote_kvs:
-            self.worker.wait_for_kv_transfers(_KV_WAIT_S)  # only pulls in flight: no spinning
+        if sched.is_empty and self.scheduler.waiting_for_remote_kvs:  # no spinning:
+            self.worker.wait_for_kv_transfers(_WAIT_S)  # only pulls in flight
         elif sched.is_empty and self.scheduler.waiting_for_grammar:
-            self.scheduler.structured.wait(_GRAMMAR_WAIT_S)  # only compiles: no spinning
+            self.scheduler.structured.wait(_WAIT_S)  # only grammars compiling
         return outputs
 
     def tbo_eligible(self, sched: SchedulerOutput) -> bool:
@@ -229,11 +223,9 @@ class EngineCore:
 
     def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                 ) -> list[SeqOutput]:
-        """The rest of :meth:`step`: the worker runs ``sched`` (from :meth:`schedule` of this
-        tick; as two micro-batches with ``two_batch_overlap``), the scheduler applies what it
-        computed. An empty ``sched`` runs no forward here (a DP rank runs
-        :meth:`execute_dummy_batch` for it first) but still reports the finishes decided
-        outside a forward and the KV connector's results."""
+        """The rest of :meth:`step`: the worker runs ``sched`` (two micro-batches with
+        ``two_batch_overlap``), the scheduler applies what it computed. An empty ``sched`` runs
+        no forward (a DP rank's dummy batch comes first) but still reports what finished."""
         outputs, self._pending = self._pending, []
         if any(seq.is_finished for seq, _ in sched.scheduled):  # finished since schedule()
             sched.scheduled = [(seq, n) for seq, n in sched.scheduled if not seq.is_finished]
@@ -318,19 +310,6 @@ class EngineCore:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}; known: {list(UTILITY_METHODS)}")
         return getattr(self, method)()
-
-
-def tokenizer_json(model: str | None) -> str:
-    """``model``'s tokenizer as ``tokenizer.json`` text, padding and truncation off (what
-    llguidance wraps; called on the grammar thread at the first constrained request)."""
-    import copy
-
-    from atom.worker.model_files import load_tokenizer
-
-    backend = copy.copy(load_tokenizer(model).backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    return backend.to_str()
 
 
 def _ngram_proposer(config: EngineConfig):

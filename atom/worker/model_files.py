@@ -133,3 +133,16 @@ def _save_tokenizer_atomically(tokenizer, folder: pathlib.Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenizer_json(model: str | None) -> str:
+    """``model``'s tokenizer as ``tokenizer.json`` text, padding and truncation off (what
+    llguidance wraps; called on the grammar thread at the first constrained request)."""
+    import copy
+
+    from atom.worker.model_files import load_tokenizer
+
+    backend = copy.copy(load_tokenizer(model).backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
