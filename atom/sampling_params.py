@@ -48,7 +48,7 @@ class StructuredOutputsParams(msgspec.Struct):
                 decoded = json.loads(self.json)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {exc}") from None
-            if not isinstance(decoded, (dict, bool)):
+            if not isinstance(decoded, dict):
                 raise ValueError("StructuredOutputsParams.json must be a JSON schema (an object)")
         _check_kind(self.json is None or isinstance(self.json, (dict, str)), "json",
                     "a JSON schema (a dict or its JSON text)")

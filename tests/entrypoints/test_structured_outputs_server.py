@@ -167,13 +167,25 @@ def tool_calls(client, stream: bool, tool_choice, seed: int):
         message = r.choices[0].message
         assert message.content is None, message
         return [c.model_dump() for c in message.tool_calls], r.choices[0].finish_reason
-    calls, finish = {}, None
+    calls, finish, num_deltas = {}, None, 0
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             assert not c.delta.content
-            for call in c.delta.tool_calls or []:
-                calls[call.index] = call.model_dump(exclude={"index"})
+            for call in c.delta.tool_calls or []:  # OpenAI's stream shape, merged by index
+                num_deltas += 1
+                if call.index not in calls:  # its first delta: id, type and name
+                    assert call.id and call.function.name, call
+                    calls[call.index] = {"id": call.id, "type": call.type,
+                                         "function": {"name": None, "arguments": ""}}
+                else:
+                    assert call.id is None and not call.function.name, call
+                entry = calls[call.index]
+                if call.function.name:
+                    entry["function"]["name"] = call.function.name
+                entry["function"]["arguments"] += call.function.arguments or ""
             finish = c.finish_reason or finish
+    if isinstance(tool_choice, dict):  # a named function's arguments stream piece by piece
+        assert num_deltas > 1
     return [calls[i] for i in sorted(calls)], finish
 
 

@@ -233,8 +233,19 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a P/D producer's: where its KV is
 
 
-class DeltaToolCall(ToolCall):
-    index: int  # the call's position in the choice's tool_calls (OpenAI's stream shape)
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a piece of the JSON text (streamed arguments)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call (OpenAI's shape): its first delta has the id, type and name; later ones
+    only more of the arguments, all under the call's ``index``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(BaseModel):

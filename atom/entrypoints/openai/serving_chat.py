@@ -12,7 +12,7 @@ from atom.entrypoints.openai.async_engine import Routing
 from atom.entrypoints.openai.serving import APIError, Delta, OpenAIServing, UsageTally
 from atom.entrypoints.openai.serving import clamp_logprob, sse, sse_json
 from atom.entrypoints.openai.structured import structured_outputs_of
-from atom.entrypoints.openai.tool_calls import ToolPlan, parse_output, plan_tools
+from atom.entrypoints.openai.tool_calls import ToolPlan, new_call_id, parse_output, plan_tools
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, *,
@@ -91,8 +91,10 @@ def _logprobs(serving: OpenAIServing, delta: Delta, num_top: int | None) -> p.Ch
 async def _stream(serving: OpenAIServing, deltas: AsyncIterator[Delta], tally: UsageTally, *,
                   num_top: int | None, include_usage: bool, header: dict,
                   plan: ToolPlan | None = None) -> AsyncIterator[str]:
-    """With a tool ``plan`` a choice's text is held until its finish, which comes with its
-    calls (:func:`_tool_delta`); chunks before it carry only logprobs, when asked."""
+    """With a named function's plan the text streams as the call's arguments
+    (:func:`_arguments_delta`); with another tool plan a choice's text is held until its
+    finish, which comes with its calls (:func:`_tool_delta`), and chunks before it carry only
+    logprobs, when asked."""
     def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
         body = p.ChatCompletionChunk(**header, choices=choices, usage=usage).model_dump()
         if not include_usage:
@@ -105,7 +107,10 @@ async def _stream(serving: OpenAIServing, deltas: AsyncIterator[Delta], tally: U
             yield chunk([p.ChatChunkChoice(index=delta.index,
                                            delta=p.DeltaMessage(role="assistant", content=""))])
         message, finish = p.DeltaMessage(content=delta.text), delta.finish_reason
-        if plan is not None:
+        if plan is not None and plan.function_name is not None:
+            message = _arguments_delta(plan, delta.text, first=delta.index not in held)
+            held[delta.index] = ""
+        elif plan is not None:
             held[delta.index] = held.get(delta.index, "") + delta.text
             if finish is None and num_top is None:
                 continue
@@ -118,6 +123,17 @@ async def _stream(serving: OpenAIServing, deltas: AsyncIterator[Delta], tally: U
     yield sse("[DONE]")
 
 
+def _arguments_delta(plan: ToolPlan, text: str, *, first: bool) -> p.DeltaMessage:
+    """A named function's streamed arguments: the first piece with the call's id and name (a
+    stream cannot take back what it sent: an output cut by max_tokens ends with ``length``
+    and incomplete arguments, as in vLLM)."""
+    function = p.DeltaFunctionCall(name=plan.function_name if first else None, arguments=text)
+    call = p.DeltaToolCall(index=0, function=function)
+    if first:
+        call.id, call.type = new_call_id(), "function"
+    return p.DeltaMessage(tool_calls=[call])
+
+
 def _tool_delta(plan: ToolPlan, text: str, finish: str | None) -> tuple[p.DeltaMessage, str | None]:
     """A tool-call choice's chunk: empty before its finish; at a complete finish its calls
     (OpenAI's stream shape, each with its ``index``) and the plan's finish_reason; a cut one
@@ -128,5 +144,6 @@ def _tool_delta(plan: ToolPlan, text: str, finish: str | None) -> tuple[p.DeltaM
     if calls is None:
         return p.DeltaMessage(content=text), finish
     return (p.DeltaMessage(content=content, tool_calls=[
-        p.DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]),
+        p.DeltaToolCall(index=i, id=call.id, type="function", function=p.DeltaFunctionCall(
+            **call.function.model_dump())) for i, call in enumerate(calls)]),
         plan.finish_reason)

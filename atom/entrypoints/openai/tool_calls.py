@@ -17,8 +17,9 @@ JSON schemas and returned as ``tool_calls`` in OpenAI's shape.
 
 The tools are rendered by the chat template (``tools=``) when it knows them. An output cut by
 ``max_tokens`` is not a complete call: it is returned as ``content`` with ``finish_reason``
-``"length"``. Streamed, a choice with tools sends its calls (or its content) in one chunk at
-its finish.
+``"length"``. Streamed, a named function's arguments stream as they are generated (the first
+delta carries the call's id and name); with ``"required"`` or ``"auto"`` a choice sends its
+calls (or its content) in one chunk at its finish.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[p.ToolCall
                   for item in value]
 
 
+def new_call_id() -> str:
+    """A fresh tool call id (``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: str) -> p.ToolCall:
-    return p.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                      function=p.FunctionCall(name=name, arguments=arguments))
+    return p.ToolCall(id=new_call_id(), function=p.FunctionCall(name=name, arguments=arguments))
