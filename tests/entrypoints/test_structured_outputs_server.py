@@ -55,7 +55,7 @@ def test_json_object(any_server, stream):
     """As offline: a 135M model's free JSON at temperature 1.0 may hit max_tokens; those stay
     open objects, the ones that end parse as objects."""
     results = chat_texts(any_server.client(), stream, response_format={"type": "json_object"},
-                         max_tokens=300)
+                         max_tokens=120)
     finished = [text for text, finish in results if finish == "stop"]
     assert len(finished) >= 3, results
     for text in finished:
