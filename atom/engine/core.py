@@ -103,7 +103,7 @@ class EngineCore:
         self._pending: list[SeqOutput] = []  # finishes decided outside a step (rejections)
         self.num_aborted_seqs = 0
         self.num_front_end_finished_seqs = 0
-        logger.info("engine core ready: %s, %d KV blocks x %d tokens, max_model_len %d",
+        logger.debug("engine core ready: %s, %d KV blocks x %d tokens, max_model_len %d",
                     config.model or "embedded SmolLM2-135M-Instruct", runtime.num_kv_blocks,
                     config.block_size, runtime.max_model_len)
 

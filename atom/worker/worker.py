@@ -115,6 +115,10 @@ class Worker:
 
             self.rejection_sampler = RejectionSampler(self.sampler)
         release_freed_heap()
+        logger.info("worker ready: dtype %s, %d KV blocks x %d tokens (%.1f MiB, %d bytes per "
+                    "token: %s), max_model_len %d", dtype_name, num_blocks, config.block_size,
+                    self.runtime.kv_cache_bytes / 2**20, bytes_per_block // config.block_size,
+                    describe_layers(self.runner.kv_cache_specs), max_model_len)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -125,10 +129,6 @@ class Worker:
     def kv_transfer_port(self) -> int | None:
         """The port a P/D producer's KV transfer server bound (None without one)."""
         return None if self.kv_connector is None else self.kv_connector.port
-
-    def describe_kv_cache(self) -> str:
-        """The KV cache's layers in words, for the start-up log line."""
-        return describe_layers(self.runner.kv_cache_specs)
 
     # ----- the step -----
 

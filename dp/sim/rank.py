@@ -103,9 +103,6 @@ class SimWorker:
     def wait_for_kv_transfers(self, timeout_s: float) -> None:
         pass
 
-    def describe_kv_cache(self) -> str:
-        return "simulated"
-
     def get_stats(self) -> dict[str, int | float]:
         return {}
 
