@@ -243,9 +243,11 @@ class LaunchedRanks(RankProcesses):
             them to the ranks (rank 0 publishes them in the rendezvous store).
         max_restarts: the launcher's ``--max-restarts`` (``TORCHELASTIC_MAX_RESTARTS``).
 
-    Without restarts the front end cannot watch ranks on other nodes; it watches its parent,
-    rank 0. When any rank dies, the launcher stops every rank, and rank 0's process group with
-    it (this front end included); when rank 0 dies, its collectives fail on the other ranks too.
+    Without restarts the front end watches its parent, rank 0, and the pids of the other
+    ranks on its node (``num_local_ranks``: ranks ``0 .. num_local_ranks - 1``; those on other
+    nodes it cannot watch). When any rank dies, the launcher stops every rank, and rank 0's
+    process group with it (this front end included); when rank 0 dies, its collectives fail on
+    the other ranks too.
 
     With restarts (``atom launch --max-restarts K``, one node): this front end lives in a
     session of its own and outlives the group. It watches every rank's pid (from the ready
@@ -255,8 +257,9 @@ class LaunchedRanks(RankProcesses):
     """
 
     def __init__(self, host: str, announce: Callable[[str, list[str]], None], *,
-                 max_restarts: int = 0):
+                 max_restarts: int = 0, num_local_ranks: int):
         self._host = host
+        self._num_local_ranks = num_local_ranks
         self._announce: Callable[[str, list[str]], None] | None = announce
         self._parent_pid = os.getppid()
         self.max_restarts = max_restarts
@@ -278,13 +281,12 @@ class LaunchedRanks(RankProcesses):
         return not self.exited()
 
     def exited(self) -> list[tuple[int, str]]:
-        if self.max_restarts == 0:
-            if os.getppid() == self._parent_pid:
-                return []
+        if self.max_restarts == 0 and os.getppid() != self._parent_pid:
             return [(0, f"rank 0 (pid {self._parent_pid}), the parent of this front end, has "
                         f"exited; its error is in the launcher's report")]
         return [(rank, f"process {pid} (dp rank {rank}) exited; its error is in the "
-                       f"launcher's report") for rank, pid in enumerate(self.pids)
+                       f"launcher's report")
+                for rank, pid in enumerate(self.pids[:self._num_local_ranks])
                 if not pid_running(pid)]
 
     def kill(self, dp_ranks: list[int]) -> None:

@@ -74,8 +74,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
-from atom.engine.core_proc import (EngineCoreProc, ShutdownRequested, build_engine_core,
-                                   dump_stacks_if_still_running, run_process)
+from atom.engine.core_proc import (RANKS_STOPPING_SIGNAL, EngineCoreProc, ShutdownRequested,
+                                   build_engine_core, dump_stacks_if_still_running, run_process)
 from atom.messages import (
     AbortRequests,
     CoreInput,
@@ -259,6 +259,9 @@ class DPEngineCoreProc(EngineCoreProc):
 
         self._sigterm_at = time.monotonic()
         self._shutdown = True
+        if (self.front_end is not None and self.front_end.poll() is None
+                and not self.groups.rank_info.max_restarts):  # restarts keep the front end
+            self.front_end.send_signal(RANKS_STOPPING_SIGNAL)  # its requests cannot finish
         self.idle = False  # enter a tick: the ranks stop together
         # a collective failing from now on means a peer has left already: no post-mortem
         # wait for its history (up to a minute), this rank is stopping anyway

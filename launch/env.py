@@ -26,6 +26,11 @@ NODE_RANK_ENV = "NODE_RANK"
 # Set by `atom launch --max-restarts` only: where rank 0 writes the pid of the front end it
 # starts, which then lives in a session of its own and outlives restarts (atom.launch.restarts).
 FRONT_END_PID_FILE_ENV = "ATOM_FRONT_END_PID_FILE"
+# Set by `atom launch --max-restarts` for rank 0 of the first start only: a descriptor of the
+# launcher's own stderr, the front end's stderr. Rank 0's stderr is a pipe the launcher closes
+# when that start's group has stopped; the front end outlives it (and holding it open would
+# keep the launcher waiting for the pipe's end before it restarts the group).
+FRONT_END_STDERR_FD_ENV = "ATOM_FRONT_END_STDERR_FD"
 
 
 def rank_env_present(env: Mapping[str, str] | None = None) -> bool:

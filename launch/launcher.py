@@ -84,6 +84,7 @@ with no restarts left, a failure stops everything with the report above.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import shlex
@@ -193,10 +194,11 @@ def worker_env(config: LaunchConfig, *, local_rank: int, master_port: int, error
 
 
 def worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
-                 restart_count: int = 0) -> list[WorkerSpec]:
+                 restart_count: int = 0, console_fd: int | None = None) -> list[WorkerSpec]:
     """One :class:`WorkerSpec` per local rank of this node: the command, its environment
     (:func:`worker_env` plus the restart variables of start ``restart_count``) and its log
-    and error files under ``log_dir``."""
+    and error files under ``log_dir``. ``console_fd`` (``--max-restarts`` only): a descriptor
+    of the launcher's stderr that rank 0 of the first start gives its front end."""
     argv = tuple(worker_argv(config))
     warning = oversubscription_warning(config.nproc_per_node)
     if warning is not None:
@@ -209,10 +211,15 @@ def worker_specs(config: LaunchConfig, *, master_port: int, log_dir: str,
                          error_path=error_path, base_env=os.environ)
         env.update(restarts.restart_env(restart_count=restart_count,
                                         max_restarts=config.max_restarts, log_dir=log_dir))
+        pass_fds: tuple[int, ...] = ()
+        if console_fd is not None and config.max_restarts and restart_count == 0 and rank == 0:
+            env[launch_env.FRONT_END_STDERR_FD_ENV] = str(console_fd)
+            pass_fds = (console_fd,)
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env,
                                 log_path=os.path.join(log_dir,
                                                       restarts.log_name(rank, restart_count)),
-                                error_path=error_path, inherit_stdin=rank == 0))
+                                error_path=error_path, inherit_stdin=rank == 0,
+                                pass_fds=pass_fds))
     return specs
 
 
@@ -238,7 +245,8 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
     own_log_dir = config.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="atom-launch-") if own_log_dir else config.log_dir
     os.makedirs(log_dir, exist_ok=True)
-    specs = worker_specs(config, master_port=store.port, log_dir=log_dir)
+    console_fd = _dup_console(console) if config.max_restarts else None
+    specs = worker_specs(config, master_port=store.port, log_dir=log_dir, console_fd=console_fd)
     logger.info("node %d/%d: starting ranks %d-%d of %d (store %s, logs %s): %s",
                 config.node_rank, config.nnodes, specs[0].rank, specs[-1].rank,
                 config.world_size, store.address, log_dir, shlex.join(specs[0].argv))
@@ -263,6 +271,8 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                 break
         restarts.stop_front_end(log_dir, clean=outcome.exit_code == 0,
                                 term_timeout_s=config.term_timeout_s)
+        if console_fd is not None:
+            os.close(console_fd)
         store.mark_done()
         if watch is not None:
             grace = (config.term_timeout_s + 3 * STORE_POLL_S + 5 if outcome.stopping
@@ -277,6 +287,15 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
     if own_log_dir and (outcome.exit_code == 0 or stopped_on_request):
         shutil.rmtree(log_dir, ignore_errors=True)
     return outcome.exit_code
+
+
+def _dup_console(console: TextIO) -> int | None:
+    """A descriptor of ``console`` for the front end to write to; None when it has none (a
+    test's in-memory console: the front end then writes to rank 0's stderr)."""
+    try:
+        return os.dup(console.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
 
 
 def _report(outcome: Outcome, *, config: LaunchConfig, log_dir: str) -> None:

@@ -71,6 +71,7 @@ class WorkerSpec:
     log_path: str  # the rank's stderr, unprefixed
     error_path: str  # ATOM_ERROR_FILE of the rank
     inherit_stdin: bool = False  # only one rank may read the terminal
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the front end's stderr)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class WorkerProcess:
             self.popen = subprocess.Popen(
                 list(spec.argv), env=dict(spec.env), stderr=subprocess.PIPE,
                 stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
-                start_new_session=True)
+                pass_fds=spec.pass_fds, start_new_session=True)
         except OSError:
             self._log.close()
             raise

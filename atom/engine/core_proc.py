@@ -84,6 +84,12 @@ TEARDOWN_STACKS_AFTER_S = 5.0  # below the launcher's --term-timeout-s (10 s by 
 # (reported to the front end as one line), after it a failure of the loop
 _ready_sent = False
 
+# Rank 0 of a launched deployment sends it to its front end when SIGTERM stops the ranks (the
+# launcher stops every rank: a rank failed, or it was told to stop) and no restart keeps the
+# front end: its open requests cannot finish, so it fails them at once. A SIGTERM to the front
+# end alone still drains (the ranks run on until it sends Shutdown).
+RANKS_STOPPING_SIGNAL = signal.SIGUSR1
+
 
 class ShutdownRequested(BaseException):
     """SIGTERM arrived: leave the loop as if a Shutdown message had."""

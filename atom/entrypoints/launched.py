@@ -20,8 +20,11 @@ every rank looks them up, connects and sends its ready message to the front end.
 Shutdown: the front end finishes its command and sends Shutdown to every rank; the ranks stop
 together (one last control sync) and exit 0; rank 0 then exits with the front end's exit code.
 If the front end dies without that (a crash, a signal), rank 0 exits with an error and the
-launcher stops every rank; if a rank dies, the launcher stops them all, and the front end with
-rank 0's process group.
+launcher stops every rank; if a rank dies, the launcher stops them all: rank 0 then signals the
+front end (:data:`atom.engine.core_proc.RANKS_STOPPING_SIGNAL`), whose open requests end at once with an error
+(streams: an error event and ``[DONE]``), and the front end exits with rank 0's process group.
+The front end also watches the ranks on its node itself and fails its requests naming the
+rank when it sees one exit first.
 
 Restarts (``atom launch --max-restarts K``, one node): rank 0 of the first start runs the
 front end in a session of its own and writes its pid to ``ATOM_FRONT_END_PID_FILE``; when a
@@ -48,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 # Set in the front end's environment by rank 0: the pipe (fd) to write its endpoints to.
 FRONT_END_FD_ENV = "ATOM_FRONT_END_FD"
+_FRONT_END_EXIT_S = 2.0  # after that signal, how long rank 0 waits for it to exit by itself
 _OUTPUT_KEY = "dp/front_end/output"
 
 
@@ -101,7 +105,7 @@ def launched_client(config: EngineConfig, extra_eos_token_ids: tuple[int, ...]):
 
     # this node's address as the other nodes reach it (127.0.0.1 for a loopback master)
     ranks = LaunchedRanks(route_source_address(info.master_addr, info.master_port), announce,
-                          max_restarts=info.max_restarts)
+                          max_restarts=info.max_restarts, num_local_ranks=info.local_world_size)
     return DPEngineCoreClient(config, extra_eos_token_ids=extra_eos_token_ids, ranks=ranks)
 
 
@@ -158,7 +162,7 @@ def run_launched_rank(argv: list[str], config: EngineConfig) -> int:
     except ShutdownRequested:  # the launcher is stopping every rank (its process group too)
         logger.info("[rank %d] SIGTERM: shutting down", info.rank)
         if front_end is not None and front_end.poll() is None and not info.max_restarts:
-            front_end.terminate()
+            _stop_front_end(front_end)
         return 0
     except BaseException:
         # with restarts the front end outlives the group (a peer's death fails this rank's
@@ -179,20 +183,34 @@ def run_launched_rank(argv: list[str], config: EngineConfig) -> int:
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's 128 + N
 
 
+def _stop_front_end(front_end: subprocess.Popen) -> None:
+    """The launcher is stopping every rank: the front end has failed its open requests
+    (:data:`~atom.engine.core_proc.RANKS_STOPPING_SIGNAL`, sent on the first SIGTERM) and, with the
+    launcher's SIGTERM to this rank's process group, exits; else (a launcher that signals only
+    this process) it gets SIGTERM here."""
+    try:
+        front_end.wait(timeout=_FRONT_END_EXIT_S)
+    except subprocess.TimeoutExpired:
+        front_end.terminate()
+
+
 def _start_front_end(argv: list[str]):
     """Start the front end (``python -m atom.entrypoints.cli ARGV``) with a pipe to announce
     its endpoints on; stdin, stdout and stderr are this rank's. Under ``atom launch
     --max-restarts`` (``ATOM_FRONT_END_PID_FILE`` set) it runs in a session of its own, so that
-    stopping this rank's process group for a restart leaves it running, and its pid goes to
-    that file for the launcher, which stops it at the end."""
-    from atom.launch.env import FRONT_END_PID_FILE_ENV
+    stopping this rank's process group for a restart leaves it running, its pid goes to that
+    file for the launcher, which stops it at the end, and its stderr is the launcher's own
+    (``ATOM_FRONT_END_STDERR_FD``), which outlives this rank's."""
+    from atom.launch.env import FRONT_END_PID_FILE_ENV, FRONT_END_STDERR_FD_ENV
 
     read_fd, write_fd = os.pipe()
     env = {**os.environ, FRONT_END_FD_ENV: str(write_fd)}
     pid_file = os.environ.get(FRONT_END_PID_FILE_ENV, "")
+    stderr_fd = env.pop(FRONT_END_STDERR_FD_ENV, "")
     try:
         proc = subprocess.Popen([sys.executable, "-m", "atom.entrypoints.cli", *argv], env=env,
-                                pass_fds=(write_fd,), start_new_session=bool(pid_file))
+                                pass_fds=(write_fd,), start_new_session=bool(pid_file),
+                                stderr=int(stderr_fd) if stderr_fd else None)
     finally:
         os.close(write_fd)
     if pid_file:

@@ -23,8 +23,8 @@ START_DEADLINE_S = 120.0  # every stream got its first token within this
 RESUME_DEADLINE_S = 30.0  # liveness: tokens flow again within this of a fault
 
 
-def body(prompt: str) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
 
 
@@ -65,6 +65,7 @@ class Stream:
     """One streaming completion run on a thread: its text, finish, error, chunk times."""
 
     prompt: str
+    max_tokens: int = MAX_TOKENS
     text: str = ""
     finish_reason: str | None = None
     error: dict | None = None
@@ -73,15 +74,18 @@ class Stream:
     started: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     end_time_s: float | None = None
+    done_event: bool = False  # the stream ended with ``data: [DONE]``
 
     def run(self, server: RemoteServer) -> None:
         try:
             with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers(),
-                              json={**body(self.prompt), "stream": True},
+                              json={**body(self.prompt, self.max_tokens), "stream": True},
                               timeout=STREAM_DEADLINE_S) as r:
                 self.status = r.status_code
                 for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
+                    if line == "data: [DONE]":
+                        self.done_event = True
+                    elif line.startswith("data: "):
                         self._on_event(json.loads(line[6:]))
         finally:
             self.end_time_s = time.monotonic()
@@ -100,9 +104,10 @@ class Stream:
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
 
-def start_streams(server: RemoteServer, prompts: list[str]) -> list[Stream]:
+def start_streams(server: RemoteServer, prompts: list[str], *,
+                  max_tokens: int = MAX_TOKENS) -> list[Stream]:
     """One thread per prompt; returns once every stream has its first token."""
-    streams = [Stream(p) for p in prompts]
+    streams = [Stream(p, max_tokens) for p in prompts]
     for s in streams:
         threading.Thread(target=s.run, args=(server,), daemon=True).start()
     deadline = time.monotonic() + START_DEADLINE_S

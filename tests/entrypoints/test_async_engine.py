@@ -42,3 +42,40 @@ def test_a_call_whose_caller_timed_out_is_skipped_and_the_engine_lives_on():
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_fail_open_requests_ends_open_streams_while_the_engine_thread_is_busy():
+    """A launched front end whose ranks are being stopped: open streams end at once with the
+    reason, even while the engine thread is held inside a call (a step waiting for ranks that
+    are going away), and later requests are refused with it."""
+    from atom.engine.core_client import EngineDeadError
+    from atom.sampling_params import SamplingParams
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=16,
+                                                max_model_len=256)))
+    running, release = threading.Event(), threading.Event()
+
+    def blocking(_engine) -> None:
+        running.set()
+        release.wait(RELEASE_TIMEOUT_S)
+
+    async def scenario() -> None:
+        blocker = asyncio.ensure_future(engine.call(blocking))
+        await asyncio.to_thread(running.wait, RELEASE_TIMEOUT_S)
+        stream = engine.generate("r0", [1, 2, 3], SamplingParams(max_tokens=4))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the request is submitted; the engine thread cannot see it
+        engine.fail_open_requests("the ranks are stopping")
+        with pytest.raises(EngineDeadError, match="the ranks are stopping"):
+            await asyncio.wait_for(first, RELEASE_TIMEOUT_S)
+        with pytest.raises(EngineDeadError, match="the ranks are stopping"):
+            await engine.generate("r1", [1], SamplingParams(max_tokens=1)).__anext__()
+        release.set()
+        await blocker
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        engine.shutdown()
+    assert "the ranks are stopping" in str(engine.dead_error)

@@ -26,7 +26,10 @@ NAME, DP 2, EP on)``). SIGTERM (or Ctrl-C) drains: uvicorn stops accepting conne
 waits up to ``--drain-timeout`` seconds for in-flight responses, then cancels the rest (which
 aborts their requests); then, with several DP ranks, one line on stderr says what they did
 (:func:`atom.dp.run_summary.print_dp_summary`), the engine cores shut down and the process
-exits 0.
+exits 0. Under ``atom launch`` the launcher's own stop (a rank failed, Ctrl-C) stops every
+rank at once, so nothing could drain: rank 0 tells the front end
+(:data:`atom.engine.core_proc.RANKS_STOPPING_SIGNAL`)
+and its open streams end at once with an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import uvicorn
@@ -52,7 +56,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom.engine.llm_engine import DEAD, SERVING, LLMEngine
 from atom.engine.core_client import EngineDeadError
-from atom.engine.core_proc import dump_stacks_if_still_running
+from atom.engine.core_proc import RANKS_STOPPING_SIGNAL, dump_stacks_if_still_running
+from atom.entrypoints.launched import is_front_end
 from atom.entrypoints.openai import protocol as p
 from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.cli_args import DEFAULT_MODEL_NAME
@@ -64,6 +69,9 @@ from atom.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
+# why the open requests of a launched front end failed when it got SIGTERM
+LAUNCHER_STOPPING = ("the launcher is stopping every rank (a rank failed, or the launcher was "
+                     "told to stop): its report on stderr says which and why")
 _METRICS_TIMEOUT_S = 10.0  # a round trip through every engine core (stats, expert load) in this
 
 
@@ -342,10 +350,15 @@ def run_server(args: argparse.Namespace) -> int:
         banner = (f"serving on {url_of(args.host, args.port)} (model {model_name}, DP "
                   f"{config.data_parallel_size}, EP "
                   f"{'on' if config.enable_expert_parallel else 'off'})")
+        # the launcher is stopping every rank (a rank failed, or it was told to stop): nothing
+        # can finish, so open streams end at once with an error event and [DONE], not with a
+        # connection cut when the launcher's grace period runs out
+        on_ranks_stopping = (partial(async_engine.fail_open_requests, LAUNCHER_STOPPING)
+                             if is_front_end() else None)
         server = AnnouncingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),
             access_log=args.access_log, timeout_graceful_shutdown=args.drain_timeout),
-            banner=banner)
+            banner=banner, on_ranks_stopping=on_ranks_stopping)
         # uvicorn re-raises every signal it caught once it has drained (a launched front end
         # may get SIGTERM twice: from the launcher and from rank 0); with this handler a
         # re-raise only logs, once, so a drained server exits 0 instead of dying by it
@@ -376,13 +389,21 @@ def url_of(host: str, port: int) -> str:
 
 class AnnouncingServer(uvicorn.Server):
     """A uvicorn server that prints ``banner`` on stderr once it listens (uvicorn itself says
-    nothing when it is handed a bound socket, as ``atom serve`` does)."""
+    nothing when it is handed a bound socket, as ``atom serve`` does). In the front end of a
+    launched deployment it calls ``on_ranks_stopping`` on the event loop when rank 0 sends
+    :data:`RANKS_STOPPING_SIGNAL`."""
 
-    def __init__(self, config: uvicorn.Config, *, banner: str):
+    def __init__(self, config: uvicorn.Config, *, banner: str,
+                 on_ranks_stopping: Callable[[], None] | None = None):
         super().__init__(config)
         self.banner = banner
+        self.on_ranks_stopping = on_ranks_stopping
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_ranks_stopping is not None:
+            asyncio.get_running_loop().add_signal_handler(RANKS_STOPPING_SIGNAL,
+                                                          self.on_ranks_stopping)
+
         await super().startup(sockets=sockets)
         if self.started:
             print(self.banner, file=sys.stderr, flush=True)

@@ -83,7 +83,7 @@ class _Stop:
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: AsyncEngine keeps the open ones in a set
 class _Stream:
     """Where one request's outputs go: an asyncio queue on ``loop``."""
 
@@ -113,7 +113,8 @@ class AsyncEngine:
         self.engine = engine
         self._on_finished = on_finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # the engine thread's
+        self._open: set[_Stream] = set()  # the event loop's: streams a generate() awaits
         self._lock = threading.Lock()  # orders "submit a command" against "the thread ended"
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
@@ -149,6 +150,7 @@ class AsyncEngine:
         self._submit(_Add(request_id, list(prompt_token_ids), params, prompt, routing, stream,
                           kv_transfer_params))
         finished = False
+        self._open.add(stream)
         try:
             while not finished:
                 item = await stream.queue.get()
@@ -158,8 +160,23 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
+            self._open.discard(stream)
             if not finished and self.dead_error is None:
                 self._commands.put(_Abort(request_id))
+
+    def fail_open_requests(self, reason: str) -> None:
+        """End every open request now with ``EngineDeadError(reason)`` and refuse new ones,
+        without waiting for the engine thread (it may be inside a step that waits for ranks
+        that are being stopped); then stop that thread. For the event loop's thread: a front
+        end whose ranks are stopping at the same moment (``atom launch``) cannot drain.
+        Idempotent."""
+        error = EngineDeadError(reason)
+        with self._lock:
+            if self.dead_error is None:
+                self.dead_error = error
+        for stream in list(self._open):
+            stream.queue.put_nowait(error)
+        self._commands.put(_Stop())
 
     async def call(self, fn: Callable[[Any], T], *, timeout_s: float | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread (between steps) and return its result.
@@ -205,7 +222,8 @@ class AsyncEngine:
             logger.exception("the engine thread stopped")
             reason = exc
         with self._lock:
-            self.dead_error = reason
+            if self.dead_error is None:  # fail_open_requests may have said why first
+                self.dead_error = reason
         for stream in self._streams.values():
             stream.put(reason)
         self._streams.clear()
