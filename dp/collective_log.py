@@ -11,7 +11,6 @@ lockstep record is the fixed-size int64 form of a log that ranks exchange: by al
 
 from __future__ import annotations
 
-import datetime
 import enum
 import struct
 import time
@@ -29,6 +28,7 @@ LOCKSTEP_MAGIC = int.from_bytes(b"ATOMLCK1", "big")  # marks a lockstep record; 
 _HEADER_LEN = 4  # magic, num_collectives, hash, num_history
 LOCKSTEP_RECORD_LEN = _HEADER_LEN + 3 * HISTORY_LEN
 POST_MORTEM_WAIT_S = 10.0  # how long a failed rank waits in the store for its peers' histories
+_POST_MORTEM_POLL_S = 0.1  # between looks at the store: SIGTERM's handler runs in between
 _POST_MORTEM_PREFIX = "atom/collectives/post_mortem"
 
 
@@ -151,6 +151,8 @@ class CollectiveLog:
         self._post_mortem_wait_s = min(max(POST_MORTEM_WAIT_S, group_timeout_s + 5.0), 60.0)
 
     def detach_store(self) -> None:
+        """No more post-mortems; one in progress ends at its next look at the store (a SIGTERM
+        handler calls this: the rank is stopping, and its dead peer will never report)."""
         self._store = None
 
     @property
@@ -177,12 +179,16 @@ class CollectiveLog:
         self._num_post_mortems += 1
 
         def wait(key: str) -> bool:
-            remaining = max(deadline - time.monotonic(), 0.01)
-            try:
-                store.wait([key], datetime.timedelta(seconds=remaining))
-                return True
-            except RuntimeError:  # DistStoreError: timed out, or the store's host is gone
-                return False
+            # polled, not one blocking store.wait: a Python signal handler runs only between
+            # bytecodes, and a SIGTERM (the launcher stopping this rank after a peer died)
+            # must end the wait at once (detach_store), not when the launcher's SIGKILL comes
+            while self._store is not None:
+                if store.check([key]):  # RuntimeError: the store's host is gone
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(_POST_MORTEM_POLL_S)
+            raise _Detached()
 
         try:
             store.set(f"{prefix}/history/{rank}", self.lockstep_record().numpy().tobytes())
@@ -193,9 +199,13 @@ class CollectiveLog:
             store.set(f"{prefix}/done/{rank}", b"1")
             for r in range(self._world_size):
                 wait(f"{prefix}/done/{r}")
-        except RuntimeError:  # the store itself failed: report what we have
+        except (RuntimeError, _Detached):  # the store failed, or this rank is stopping
             pass
         return out
+
+
+class _Detached(Exception):
+    """:meth:`CollectiveLog.detach_store` was called during a post-mortem."""
 
 
 def decode_lockstep_record(row: np.ndarray | torch.Tensor) -> RankHistory | None:

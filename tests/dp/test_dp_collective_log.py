@@ -97,6 +97,33 @@ def _calls_named(path: Path, suffix: str) -> list[str]:
     return hits
 
 
+def test_a_sigterm_ends_a_post_mortem_waiting_for_a_dead_peer():
+    """A rank whose collective failed because its peer died waits in the store for the peer's
+    history; the launcher's SIGTERM (whose handler detaches the store) ends that wait at once,
+    instead of the rank sitting there until the launcher's SIGKILL."""
+    import datetime
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    log = logged(SEQUENCE)
+    log.attach_store(store, rank=0, world_size=2, group_timeout_s=30.0)  # waits up to 35 s
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: log.detach_store())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.monotonic()
+        histories = log.post_mortem()
+        waited_s = time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert histories[0] is not None and histories[1] is None  # the dead peer never reported
+    assert waited_s < 10.0, waited_s  # liveness bound (the wait itself is 35 s)
+
+
 def test_no_object_collectives_anywhere():
     """``*_object`` collectives pickle (docs/ARCHITECTURE.md bans pickle across ranks): none may be called."""
     files = [p for folder in ("atom", "dp", "launch", "kernels")
