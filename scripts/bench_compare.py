@@ -36,7 +36,7 @@ folder exported once from the embedded GGUF with transformers (cached under
 VLLM_CPU_NUM_OF_RESERVED_CPU=0`` so it computes on the same number of cores. This script
 installs nothing.
 
-    .venv/bin/python scripts/bench_compare.py --vllm-python /work/vllm-venv/bin/python --rounds 2
+    .venv/bin/python scripts/bench_compare.py --vllm-python "$VLLM_VENV"/bin/python --rounds 2
 
 A short check that everything runs (a few minutes, most of it vLLM's start-up):
 ``--rounds 1 --repeats 1 --num-prompts 8 --max-tokens 16``.

@@ -25,8 +25,8 @@ subprocesses (vLLM with ``--vllm-python``, started as /work/shared/bench/README.
 every run. Metrics: W1 output tokens/s (64 prompts x 128 tokens) and single-request decode
 ms/token (one 140-token prompt: (time for 128 tokens - time for 1) / 127).
 
-    .venv/bin/python scripts/bench_moe.py --vllm-python /work/vllm-venv/bin/python
-    .venv/bin/python scripts/bench_moe.py --family deepseek-v3 --vllm-python /work/vllm-venv/bin/python
+    .venv/bin/python scripts/bench_moe.py --vllm-python "$VLLM_VENV"/bin/python
+    .venv/bin/python scripts/bench_moe.py --family deepseek-v3 --vllm-python "$VLLM_VENV"/bin/python
 
 ends with ``W1 output tok/s, atom / vLLM: X.XX`` and writes ``results/bench_moe_<family>.json``.
 ``--num-prompts 4 --max-tokens 8`` is a quick end-to-end check (not a measurement).
