@@ -70,6 +70,11 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` sequences have ``query_len == 1``.
         context_lens_tensor: int64 ``[S]``, the same as ``context_lens`` on the device (used by
             the batched decode mask).
+        group_metadata: KV cache groups 1.. of a hybrid model (gpt-oss's sliding layers): the
+            same step through each group's own block tables and slots
+            (:meth:`for_group`); empty for one group. A sliding group's blocks before a
+            sequence's window are block 0 in its table: the window masks them, the compiled
+            kernels never read them and the torch paths read finite values they mask out.
     """
 
     slot_mapping: torch.Tensor
@@ -78,6 +83,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     num_decodes: int
     context_lens_tensor: torch.Tensor
+    group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group`` (0: this one)."""
+        return self if group == 0 else self.group_metadata[group - 1]
 
     @property
     def num_seqs(self) -> int:

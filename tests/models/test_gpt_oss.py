@@ -30,7 +30,7 @@ import torch
 
 from atom.config import EngineConfig
 from atom.engine.preflight import check_model_files
-from atom.kv_cache_spec import KVCacheSpec, describe_layers
+from atom.kv_cache_spec import KVCacheSpec, describe_layers, kv_cache_groups, kv_cache_slots
 from atom.layers.moe import ExpertShard, TopKSoftmaxMoE
 from atom.layers.weights import dequantize_mxfp4
 from atom.models import get_model_class
@@ -81,9 +81,13 @@ def test_kv_cache_specs_name_each_layers_window(family):
     assert specs == [KVCacheSpec(num_kv_heads=2, head_dim=24, sliding_window=w) for w in WINDOWS]
     assert describe_layers(specs) == ("layer 0: K+V 2 heads x 24, window 8; layer 1: K+V 2 heads "
                                       "x 24; layer 2: K+V 2 heads x 24, window 8")
-    # a windowed layer keeps every token's K/V: the bytes of a block are the full layers'
+    # two KV cache groups (full: layer 1; window 8: layers 0, 2) sharing cache tensors: a
+    # block id holds the larger group's two layers, not all three
+    assert [(g.sliding_window, g.layer_ids) for g in kv_cache_groups(specs)] == [
+        (None, (1,)), (8, (0, 2))]
+    assert kv_cache_slots(specs) == [0, 0, 1]
     assert ModelRunner.kv_cache_bytes_per_block(config, dtype=torch.float32, block_size=16) == (
-        3 * 16 * 2 * 2 * 24 * 4)
+        2 * 16 * 2 * 2 * 24 * 4)
 
 
 @pytest.fixture(scope="module")
