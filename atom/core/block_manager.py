@@ -291,6 +291,32 @@ class BlockManager:
                           and (claims is None or b not in claims.revived))
         return needed, num_cached
 
+    def fitting_first_chunk(self, seq: Sequence, claims: DryRunClaims | None, *,
+                            token_budget: int, num_free_blocks: int) -> int:
+        """The largest first step (at most ``token_budget`` tokens after the cached ones)
+        whose blocks fit ``num_free_blocks``: the full groups need the whole prompt whatever
+        the step, the sliding groups one block fewer per block of tokens cut; 0 when nothing
+        fits (always 0 without a sliding group)."""
+        num_sliding = sum(w is not None for w in self.group_windows)
+        needed, num_cached = self.admission_cost(seq, claims, token_budget=token_budget)
+        budget = min(token_budget, len(seq.token_ids) - num_cached)
+        while needed > num_free_blocks and num_sliding and budget > 0:
+            num_cut_blocks = -(-(needed - num_free_blocks) // num_sliding)
+            end = (self.num_required_blocks(num_cached + budget) - num_cut_blocks) * self.block_size
+            budget = end - num_cached
+            if budget > 0:
+                needed, _ = self.admission_cost(seq, claims, token_budget=budget)
+        return budget if needed <= num_free_blocks and budget > 0 else 0
+
+    def max_tokens_to_cover(self, seq: Sequence, num_tokens: int, num_free_blocks: int) -> int:
+        """The most tokens, at most ``num_tokens``, ``seq``'s tables can cover with
+        ``num_free_blocks`` new blocks (a running prefill's chunk cut to the free blocks)."""
+        bs = self.block_size
+        end = num_tokens
+        while end > 0 and self.num_blocks_to_cover(seq, end) > num_free_blocks:
+            end = (self.num_required_blocks(end) - 1) * bs
+        return end
+
     def num_unclaimed_free_blocks(self, claims: DryRunClaims | None) -> int:
         """Free blocks, less those a dry run's ``claims`` hold (None: no dry run)."""
         if claims is None:
@@ -357,14 +383,14 @@ class BlockManager:
             raise RuntimeError(f"allocate: need {needed} free blocks, have {self.num_free_blocks}")
         num_hit_blocks, tables = self.find_cached(seq)
         num_cached_tokens = num_hit_blocks * self.block_size
+        # every group's hits first: a new block taken from the free queue must not evict a
+        # cached block another group of this sequence is about to reuse
+        for block_id in (b for table in tables for b in table if b is not None):
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
         for group, table in enumerate(tables):
-            for block_id in table:
-                if block_id is None:
-                    continue
-                block = self.blocks[block_id]
-                if block.ref_count == 0:
-                    del self.free_queue[block_id]
-                block.ref_count += 1
             self._num_hashed[group][seq.seq_id] = num_hit_blocks
             covered = self._covered_tokens(group, seq, num_cached_tokens, token_budget)
             for _ in range(self.num_required_blocks(covered) - len(table)):

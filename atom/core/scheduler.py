@@ -404,13 +404,24 @@ class Scheduler:
             if prefilling.get(seq.request_id, num_cacheable) < num_cacheable:
                 return None
         num_blocks, num_cached = bm.admission_cost(seq, claims, token_budget=token_budget)
-        if num_blocks > bm.num_unclaimed_free_blocks(claims):
-            return None
+        num_free = bm.num_unclaimed_free_blocks(claims)
+        shrunk = False
+        if num_blocks > num_free:
+            # a sliding KV cache group's blocks follow the first chunk: a shorter one may fit
+            # (with chunking off, only a preempted sequence's recompute, which may have
+            # outgrown what one step's sliding blocks and the full ones take together)
+            if not (self.config.enable_chunked_prefill or seq.num_preemptions):
+                return None
+            token_budget = bm.fitting_first_chunk(seq, claims, token_budget=token_budget,
+                                                  num_free_blocks=num_free)
+            if token_budget == 0:
+                return None
+            shrunk = True
         num_uncomputed = len(seq.token_ids) - num_cached
         # chunking off: a prompt must fit one step (add() rejects longer ones); a preempted
         # sequence that outgrew the whole budget with its output tokens is recomputed in chunks
         # rather than waiting forever at the front of the queue
-        if (not self.config.enable_chunked_prefill and num_uncomputed > token_budget
+        if (not self.config.enable_chunked_prefill and not shrunk and num_uncomputed > token_budget
                 and len(seq.token_ids) <= self.config.max_num_batched_tokens):
             return None
         return num_cached, min(num_uncomputed, token_budget)
@@ -482,7 +493,12 @@ class Scheduler:
                     continue
                 num_new = min(seq.num_uncomputed_tokens, token_budget)
                 # a sliding KV cache group's table grows chunk by chunk (a no-op otherwise:
-                # admission gave a full group blocks for the whole prompt)
+                # admission gave a full group blocks for the whole prompt); a chunk is cut to
+                # the free blocks, and preempts only when not one token fits
+                num_fit = self.block_manager.max_tokens_to_cover(
+                    seq, seq.num_computed_tokens + num_new,
+                    self.block_manager.num_unclaimed_free_blocks(claims)) - seq.num_computed_tokens
+                num_new = min(num_new, num_fit) if num_fit > 0 else num_new
                 num_tokens = seq.num_computed_tokens + num_new
                 if claims is not None:
                     if not self.block_manager.claim_append(seq, claims, num_tokens):
@@ -616,10 +632,10 @@ class Scheduler:
             num_admitted += 1
             num_seqs += 1
             if claims is not None:
-                self.block_manager.claim(seq, claims, token_budget=token_budget)
+                self.block_manager.claim(seq, claims, token_budget=num_new)
             else:
                 num_cached = seq.num_computed_tokens = self.block_manager.allocate(
-                    seq, token_budget=token_budget)
+                    seq, token_budget=num_new)
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = num_cached
             if self._start_remote_load(seq, num_cached, claims):
