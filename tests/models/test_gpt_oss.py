@@ -101,6 +101,12 @@ def test_engine_greedy_matches_transformers(family, engine):
     prompts = engine_parity_prompts()
     assert min(map(len, prompts)) > 8 and max(map(len, prompts)) > 32  # window, YaRN's context
     check_engine_parity(engine, family[1], prompts)
+    # two KV cache groups: the sliding layers release what leaves their window; without that,
+    # the 57 + 12 token sequences would need 9 + 9 of the pool's 12 blocks and be cut
+    stats = engine.get_stats()
+    assert stats["kv_cache_bytes_per_token_full"] == 1 * 2 * 2 * 24 * 4
+    assert stats["kv_cache_bytes_per_token_window_8"] == 2 * 2 * 2 * 24 * 4
+    assert stats["kv_cache_bytes_per_token"] == 2 * 2 * 2 * 24 * 4  # a block id: the larger group
 
 
 def test_ngram_speculative_decoding_keeps_the_greedy_tokens(family, engine):
