@@ -35,8 +35,9 @@ at most ``ceil((W + chunk - 1) / block_size) + 1`` blocks of a sliding group how
 is (:meth:`BlockManager.max_blocks_held`). Prefix hits are per group with the hybrid rule:
 the longest prefix of ``k`` blocks for which every full group has all ``k`` blocks cached and
 every sliding group has the blocks its window needs before the hit point. Each group keeps its
-own hash index (a block's KV differs per group); KV events describe group 0 only, so the
-engine refuses KV events with several groups (:mod:`atom.worker.worker`).
+own hash index (a block's KV differs per group); KV events describe group 0 only (the full
+group: a hybrid hit is at most its chain, so the cache-aware DP router's match is an upper
+bound), and the engine refuses them for a model without a full group (:mod:`atom.worker.worker`).
 
 Every change to the prefix-cache index is logged in ``events`` as the KV event wire structs of
 ``atom.kv_events`` (``BlockStored`` when hashes are published, ``BlockRemoved`` on eviction,

@@ -81,7 +81,7 @@ class Worker:
         specs = ModelRunner.kv_cache_specs_of(arch)
         groups = kv_cache_groups(specs)
         if len(groups) > 1:
-            _check_hybrid_supported(config)
+            _check_hybrid_supported(config, has_full_group=groups[0].sliding_window is None)
         num_blocks = config.resolved_num_kv_blocks(bytes_per_block)
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
@@ -306,18 +306,22 @@ def _load_draft_model(path: str, dtype: torch.dtype, *, target, max_model_len: i
     return arch, weights
 
 
-def _check_hybrid_supported(config: EngineConfig) -> None:
+def _check_hybrid_supported(config: EngineConfig, *, has_full_group: bool) -> None:
     """Refuse what does not know about several KV cache groups yet (a model with sliding
-    layers, :func:`atom.kv_cache_spec.kv_cache_groups`): P/D moves one block table's blocks, KV
-    events and the cache-aware router describe one group's hashes, and a separate draft
-    model's cache follows one table.
+    layers, :func:`atom.kv_cache_spec.kv_cache_groups`): P/D moves one block table's blocks and
+    a draft model's forward (a separate model, or the target's first layers) reads one table. KV events (and the cache-aware DP
+    router they feed) describe the full-attention group's blocks, an upper bound of a hybrid
+    hit (:mod:`atom.core.block_manager`); without a full group there is nothing to describe.
 
     Raises:
-        ValueError: ``kv_role``, KV events or ``draft_model`` is set.
+        ValueError: ``kv_role`` or speculative_method draft is set, or KV events without a
+            full group.
     """
     for name, on in (("P/D (kv_role)", config.kv_role is not None),
-                     ("KV events (kv_events_endpoint)", config.resolved_kv_events() is not None),
-                     ("a draft model (draft_model)", config.draft_model is not None)):
+                     ("KV events (kv_events_endpoint or cache_aware routing)",
+                      not has_full_group and config.resolved_kv_events() is not None),
+                     ("a draft model (speculative_method draft)",
+                      config.speculative_method == "draft")):
         if on:
             raise ValueError(f"{name} does not support a model with sliding-window layers "
                              "(hybrid KV cache groups) yet: turn it off for this model")

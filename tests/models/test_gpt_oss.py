@@ -226,3 +226,19 @@ def test_default_layer_types_alternate_and_default_rope_is_plain(family):
     assert family_config.layer_types == ("sliding_attention", "full_attention",
                                          "sliding_attention")  # transformers' default
     assert family_config.yarn is None
+
+
+@pytest.mark.parametrize("options, has_full_group, match", [
+    (dict(kv_role="producer"), True, "P/D"),
+    (dict(speculative_method="draft", num_speculative_tokens=2, draft_num_layers=1), True,
+     "draft model"),
+    (dict(kv_events_endpoint="tcp://127.0.0.1:0"), False, "KV events"),
+])
+def test_what_cannot_serve_kv_cache_groups_refuses_in_one_line(options, has_full_group, match):
+    from atom.worker.worker import _check_hybrid_supported
+
+    with pytest.raises(ValueError, match=match):
+        _check_hybrid_supported(EngineConfig(**options), has_full_group=has_full_group)
+    # KV events describe the full group's blocks: allowed when there is one
+    _check_hybrid_supported(EngineConfig(kv_events_endpoint="tcp://127.0.0.1:0"),
+                            has_full_group=True)
