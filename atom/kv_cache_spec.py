@@ -116,14 +116,17 @@ def kv_cache_bytes_per_block(specs: Sequence[KVCacheSpec], *, itemsize: int,
                                        for g in groups) if specs else 0
 
 
-def describe_groups(specs: Sequence[KVCacheSpec], *, itemsize: int, block_size: int) -> str:
-    """``"2 KV cache groups: full 12 layers, window 128 12 layers (shared tensors)"``, or ``""``
-    for a single group (nothing to add to the layers' description)."""
+def describe_groups(specs: Sequence[KVCacheSpec], *, itemsize: int) -> str:
+    """``"2 KV cache groups: full 12 layers 24576 bytes per token, window 128 12 layers 24576
+    bytes per token (shared tensors)"`` (``itemsize``: bytes per value), or ``""`` for a single
+    group (nothing to add to the layers' description)."""
     groups = kv_cache_groups(specs)
     if len(groups) == 1:
         return ""
     parts = [("full" if g.sliding_window is None else f"window {g.sliding_window}")
-             + f" {len(g.layer_ids)} layers" for g in groups]
+             + f" {len(g.layer_ids)} layers "
+             + f"{itemsize * sum(specs[i].values_per_token() for i in g.layer_ids)} bytes per token"
+             for g in groups]
     return f"{len(groups)} KV cache groups: {', '.join(parts)} (shared tensors)"
 
 

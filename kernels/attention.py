@@ -22,11 +22,11 @@ Tokens after the last sequence (``T > query_start_loc[-1]``) are padding: they w
 Two per-layer options (gpt-oss; every path takes them):
 
 - ``sliding_window = W``: a query at position ``p`` sees only the keys at positions
-  ``(p - W, p]`` (Hugging Face's ``sliding_window_overlay``: ``kv_idx > q_idx - W``). The cache
-  keeps every token of the sequence (the block manager frees nothing early), so the window is
-  only a mask and chunked prefill, prefix-cache hits and preemption work across its boundary
-  unchanged; the full-attention layers, which share the block ids, see exactly what they would
-  without windowed layers beside them.
+  ``(p - W, p]`` (Hugging Face's ``sliding_window_overlay``: ``kv_idx > q_idx - W``). A
+  sliding layer reads its KV cache group's block tables (``AttentionMetadata.group_metadata``),
+  where the blocks before a sequence's window may have been released: their entries are block
+  0, which every path masks (the compiled kernels start reading at the window; the torch paths
+  gather finite values and mask them), so a released block never changes a result.
 - ``sinks``: float ``[H]``, one learned logit per query head added to the softmax's
   denominator only (``softmax([scores, sink])`` with the sink's column dropped: the weights of
   the real keys sum to less than 1; "attention sinks", Xiao et al. 2023, arXiv:2309.17453, in

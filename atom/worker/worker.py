@@ -128,8 +128,8 @@ class Worker:
                     "token: %s%s), max_model_len %d", dtype_name, num_blocks, config.block_size,
                     self.runtime.kv_cache_bytes / 2**20, bytes_per_block // config.block_size,
                     describe_layers(self.runner.kv_cache_specs),
-                    "" if len(groups) == 1 else "; " + describe_groups(
-                        specs, itemsize=itemsize, block_size=config.block_size), max_model_len)
+                    "" if len(groups) == 1 else "; " + describe_groups(specs, itemsize=itemsize),
+                    max_model_len)
 
     @property
     def model(self) -> torch.nn.Module:

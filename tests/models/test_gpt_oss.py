@@ -30,7 +30,8 @@ import torch
 
 from atom.config import EngineConfig
 from atom.engine.preflight import check_model_files
-from atom.kv_cache_spec import KVCacheSpec, describe_layers, kv_cache_groups, kv_cache_slots
+from atom.kv_cache_spec import (KVCacheSpec, describe_groups, describe_layers, kv_cache_groups,
+                                kv_cache_slots)
 from atom.layers.moe import ExpertShard, TopKSoftmaxMoE
 from atom.layers.weights import dequantize_mxfp4
 from atom.models import get_model_class
@@ -86,6 +87,9 @@ def test_kv_cache_specs_name_each_layers_window(family):
     assert [(g.sliding_window, g.layer_ids) for g in kv_cache_groups(specs)] == [
         (None, (1,)), (8, (0, 2))]
     assert kv_cache_slots(specs) == [0, 0, 1]
+    assert describe_groups(specs, itemsize=4) == (
+        "2 KV cache groups: full 1 layers 384 bytes per token, window 8 2 layers 768 bytes per "
+        "token (shared tensors)")
     assert ModelRunner.kv_cache_bytes_per_block(config, dtype=torch.float32, block_size=16) == (
         2 * 16 * 2 * 2 * 24 * 4)
 
