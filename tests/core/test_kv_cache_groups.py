@@ -170,3 +170,31 @@ def test_random_hybrid_workloads_keep_every_invariant(seed):
     chunking on and off; ref counts against every group's tables and preview_admission checked
     each step) on a pool with a sliding group of window 5 (not a multiple of the block)."""
     run_random_workload(seed, group_windows=(None, 5))
+
+
+def test_the_same_kv_memory_holds_about_twice_gpt_oss_tokens_at_long_context():
+    """gpt-oss-20b's geometry (24 layers alternating window 128 and full, 8 KV heads of 64,
+    bf16) in 1 GiB of KV cache, blocks of 16, chunks of 2048: the longest sequence the pool
+    holds, with every layer's KV per block id (before) and with two groups sharing tensors."""
+    from atom.config import EngineConfig
+    from atom.kv_cache_spec import KVCacheSpec, kv_cache_bytes_per_block, kv_cache_groups
+
+    specs = [KVCacheSpec(num_kv_heads=8, head_dim=64, sliding_window=None if i % 2 else 128)
+             for i in range(24)]
+    assert [len(g.layer_ids) for g in kv_cache_groups(specs)] == [12, 12]
+    bytes_per_block = kv_cache_bytes_per_block(specs, itemsize=2, block_size=16)
+    assert bytes_per_block == 12 * 2 * 8 * 64 * 2 * 16  # one group's layers, not 24
+    config = EngineConfig(kv_cache_memory_bytes=1 << 30)
+    before = config.resolved_num_kv_blocks(2 * bytes_per_block)  # every layer per block id
+    after = config.resolved_num_kv_blocks(bytes_per_block)
+
+    def longest(bm: BlockManager) -> int:
+        num_tokens = 0
+        while bm.max_blocks_held(num_tokens + 16, chunk_tokens=2048) <= bm.num_blocks:
+            num_tokens += 16
+        return num_tokens
+
+    single = longest(BlockManager(before, 16))
+    hybrid = longest(BlockManager(after, 16, group_windows=(None, 128)))
+    assert single == before * 16
+    assert 1.8 < hybrid / single < 2.0  # twice, less one window and chunk of sliding blocks
