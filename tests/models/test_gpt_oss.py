@@ -246,3 +246,11 @@ def test_what_cannot_serve_kv_cache_groups_refuses_in_one_line(options, has_full
     # KV events describe the full group's blocks: allowed when there is one
     _check_hybrid_supported(EngineConfig(kv_events_endpoint="tcp://127.0.0.1:0"),
                             has_full_group=True)
+
+
+def test_each_groups_bytes_per_token_is_not_summed_over_ranks():
+    from atom.engine.core_client import merge_rank_results
+
+    rank = {"kv_cache_bytes_per_token_full": 384, "kv_cache_bytes_per_token_window_8": 768,
+            "num_free_blocks": 12}
+    assert merge_rank_results([rank, rank]) == {**rank, "num_free_blocks": 24}
