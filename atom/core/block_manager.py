@@ -191,8 +191,7 @@ class BlockManager:
         The block holding the last token is excluded, so at least one token is computed. A
         request that asks for prompt logprobs gets no hits: the cached positions would have none.
         """
-        num_hit_blocks, tables = self.find_cached(seq)
-        return [b for b in tables[0] if b is not None]
+        return [b for b in self.find_cached(seq)[1][0] if b is not None]
 
     def find_cached(self, seq: Sequence, taken: set[int] | frozenset[int] = frozenset()
                     ) -> tuple[int, list[list[int | None]]]:
