@@ -13,6 +13,15 @@ only what one token takes in a layer differs:
 - multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434): one latent vector per token
   (``latent=True``, ``num_kv_heads=1``, ``head_dim = kv_lora_rank + qk_rope_head_dim``), no
   separate K and V.
+
+**KV cache groups** (:func:`kv_cache_groups`; lineage: vLLM's hybrid KV cache manager): a model
+whose layers mix windows (gpt-oss: full and sliding layers alternate) gets one group per window,
+full attention first. The groups share one block pool and one block size, and each sequence
+has a block table per group (:class:`atom.core.block_manager.BlockManager`): a sliding group
+frees the blocks no future query can see. Layer ``j`` of every group shares one cache tensor
+(``slot`` ``j``), so one block id holds ``max(layers per group)`` layers' worth of KV, not all
+layers': at long context gpt-oss fits about twice the tokens. A model with one window (Llama,
+Qwen3, Mixtral, DeepSeek) is one group with no window: every layer its own tensor, as always.
 """
 
 from __future__ import annotations
@@ -57,11 +66,68 @@ class KVCacheSpec(msgspec.Struct, frozen=True):
         return kind + ("" if self.sliding_window is None else f", window {self.sliding_window}")
 
 
+class KVCacheGroup(msgspec.Struct, frozen=True):
+    """Layers that share one block table per sequence.
+
+    Attributes:
+        sliding_window: the window of every layer in the group, in tokens; None = full attention.
+        layer_ids: the group's layers, in model order; layer ``layer_ids[j]`` keeps its KV in
+            cache tensor (slot) ``j``.
+    """
+
+    sliding_window: int | None
+    layer_ids: tuple[int, ...]
+
+
+def kv_cache_groups(specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup]:
+    """The model's KV cache groups: one with no window and every layer when the layers do not
+    mix windows (today's single group; a model whose every layer slides keeps its whole KV too),
+    else one group per window, full attention first then by window.
+
+    Hybrid groups share cache tensors across groups, so every layer must cache the same shape;
+    a hybrid model whose layers differ in shape stays one group (its windows only mask).
+    """
+    windows = sorted({spec.sliding_window for spec in specs},
+                     key=lambda w: (w is not None, w or 0))
+    if len(windows) <= 1 or len({spec.shape(1, 1) for spec in specs}) > 1:
+        return [KVCacheGroup(sliding_window=None, layer_ids=tuple(range(len(specs))))]
+    return [KVCacheGroup(sliding_window=w, layer_ids=tuple(
+        i for i, spec in enumerate(specs) if spec.sliding_window == w)) for w in windows]
+
+
+def kv_cache_slots(specs: Sequence[KVCacheSpec]) -> list[int]:
+    """Per layer, the index of the cache tensor it reads and writes (its position within its
+    group, :class:`KVCacheGroup`); one tensor per layer for a single group."""
+    slots = [0] * len(specs)
+    for group in kv_cache_groups(specs):
+        for j, layer in enumerate(group.layer_ids):
+            slots[layer] = j
+    return slots
+
+
 def kv_cache_bytes_per_block(specs: Sequence[KVCacheSpec], *, itemsize: int,
                              block_size: int) -> int:
-    """Bytes one block takes across every layer: ``block_size`` tokens x each layer's values
-    per token x ``itemsize`` (bytes per value of the cache dtype)."""
-    return block_size * itemsize * sum(spec.values_per_token() for spec in specs)
+    """Bytes one block takes: ``block_size`` tokens x values per token x ``itemsize`` (bytes
+    per value of the cache dtype), summed over the layers of one group's worth of cache
+    tensors (every layer for a single group; the largest group's layers for hybrid groups,
+    whose tensors the other groups share)."""
+    groups = kv_cache_groups(specs)
+    return block_size * itemsize * max(sum(specs[i].values_per_token() for i in g.layer_ids)
+                                       for g in groups) if specs else 0
+
+
+def describe_groups(specs: Sequence[KVCacheSpec], *, itemsize: int) -> str:
+    """``"2 KV cache groups: full 12 layers 24576 bytes per token, window 128 12 layers 24576
+    bytes per token (shared tensors)"`` (``itemsize``: bytes per value), or ``""`` for a single
+    group (nothing to add to the layers' description)."""
+    groups = kv_cache_groups(specs)
+    if len(groups) == 1:
+        return ""
+    parts = [("full" if g.sliding_window is None else f"window {g.sliding_window}")
+             + f" {len(g.layer_ids)} layers "
+             + f"{itemsize * sum(specs[i].values_per_token() for i in g.layer_ids)} bytes per token"
+             for g in groups]
+    return f"{len(groups)} KV cache groups: {', '.join(parts)} (shared tensors)"
 
 
 def describe_layers(specs: Sequence[KVCacheSpec]) -> str:

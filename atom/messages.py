@@ -38,6 +38,10 @@ class EngineRuntime(msgspec.Struct, frozen=True):
         kv_cache_bytes: bytes of the KV pool.
         dtype: the run dtype, ``"float32"`` or ``"bfloat16"``.
         num_experts: experts of each MoE layer over all ranks; None for a dense model.
+        kv_cache_group_windows: each KV cache group's sliding window in tokens, None for full
+            attention (:func:`atom.kv_cache_spec.kv_cache_groups`; one full group unless the
+            model mixes windows, as gpt-oss does).
+        kv_cache_group_bytes_per_token: each group's bytes per token over its layers.
     """
 
     num_kv_blocks: int
@@ -47,6 +51,8 @@ class EngineRuntime(msgspec.Struct, frozen=True):
     kv_cache_bytes: int
     dtype: str
     num_experts: int | None = None
+    kv_cache_group_windows: tuple[int | None, ...] = (None,)
+    kv_cache_group_bytes_per_token: tuple[int, ...] = ()
 
 
 def check_token_ids(prompt_token_ids: list[int], stop_token_ids: list[int],

@@ -22,11 +22,11 @@ Tokens after the last sequence (``T > query_start_loc[-1]``) are padding: they w
 Two per-layer options (gpt-oss; every path takes them):
 
 - ``sliding_window = W``: a query at position ``p`` sees only the keys at positions
-  ``(p - W, p]`` (Hugging Face's ``sliding_window_overlay``: ``kv_idx > q_idx - W``). The cache
-  keeps every token of the sequence (the block manager frees nothing early), so the window is
-  only a mask and chunked prefill, prefix-cache hits and preemption work across its boundary
-  unchanged; the full-attention layers, which share the block ids, see exactly what they would
-  without windowed layers beside them.
+  ``(p - W, p]`` (Hugging Face's ``sliding_window_overlay``: ``kv_idx > q_idx - W``). A
+  sliding layer reads its KV cache group's block tables (``AttentionMetadata.group_metadata``),
+  where the blocks before a sequence's window may have been released: their entries are block
+  0, which every path masks (the compiled kernels start reading at the window; the torch paths
+  gather finite values and mask them), so a released block never changes a result.
 - ``sinks``: float ``[H]``, one learned logit per query head added to the softmax's
   denominator only (``softmax([scores, sink])`` with the sink's column dropped: the weights of
   the real keys sum to less than 1; "attention sinks", Xiao et al. 2023, arXiv:2309.17453, in
@@ -70,6 +70,11 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` sequences have ``query_len == 1``.
         context_lens_tensor: int64 ``[S]``, the same as ``context_lens`` on the device (used by
             the batched decode mask).
+        group_metadata: KV cache groups 1.. of a hybrid model (gpt-oss's sliding layers): the
+            same step through each group's own block tables and slots
+            (:meth:`for_group`); empty for one group. A sliding group's blocks before a
+            sequence's window are block 0 in its table: the window masks them, the compiled
+            kernels never read them and the torch paths read finite values they mask out.
     """
 
     slot_mapping: torch.Tensor
@@ -78,6 +83,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     num_decodes: int
     context_lens_tensor: torch.Tensor
+    group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group`` (0: this one)."""
+        return self if group == 0 else self.group_metadata[group - 1]
 
     @property
     def num_seqs(self) -> int:

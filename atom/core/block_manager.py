@@ -22,6 +22,23 @@ Freed blocks go to the tail of the free queue (a sequence's blocks in reverse or
 prefix outlives its tail); allocation takes from the head. A free block keeps its hash until it
 is handed out again, so cached blocks are evicted least-recently-freed first.
 
+**KV cache groups** (hybrid models: gpt-oss's full and sliding-window layers;
+:func:`atom.kv_cache_spec.kv_cache_groups`): one pool, one block size, one block table per
+group (``seq.block_table`` for group 0, ``seq.group_block_tables`` for the others). A sliding
+group with window ``W`` holds, per sequence, only the blocks some future query can see: a query
+at position ``p`` reads keys ``(p - W, p]`` and future queries start at ``num_computed_tokens``,
+so every block wholly before ``num_computed_tokens - W + 1`` is released after each step (its
+table entry becomes None, a hole the model runner fills with block 0, which the kernels never
+read: the window masks it). Its table also grows lazily, one step's tokens at a time (admission
+covers the first chunk, :meth:`BlockManager.append_slots` the next ones), so a sequence holds
+at most ``ceil((W + chunk - 1) / block_size) + 1`` blocks of a sliding group however long it
+is (:meth:`BlockManager.max_blocks_held`). Prefix hits are per group with the hybrid rule:
+the longest prefix of ``k`` blocks for which every full group has all ``k`` blocks cached and
+every sliding group has the blocks its window needs before the hit point. Each group keeps its
+own hash index (a block's KV differs per group); KV events describe group 0 only (the full
+group: a hybrid hit is at most its chain, so the cache-aware DP router's match is an upper
+bound), and the engine refuses them for a model without a full group (:mod:`atom.worker.worker`).
+
 Every change to the prefix-cache index is logged in ``events`` as the KV event wire structs of
 ``atom.kv_events`` (``BlockStored`` when hashes are published, ``BlockRemoved`` on eviction,
 ``AllBlocksCleared`` on a reset), hashes in their signed wire form; the engine core takes them
@@ -49,10 +66,12 @@ def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) 
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "generation")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "generation",
+                 "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        self.group = 0  # the KV cache group whose hash index holds block_hash
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept for the collision guard
@@ -82,28 +101,43 @@ class BlockManager:
         num_blocks: size of the KV pool in blocks.
         block_size: tokens per block.
         enable_prefix_caching: reuse computed full blocks across sequences.
+        group_windows: each KV cache group's sliding window in tokens (None: full attention);
+            the default one full group is every model without sliding layers.
 
     Guarantees: ``num_free_blocks + num_used_blocks == num_blocks`` at all times; a block is in
     the free queue iff its ref count is 0; every block returns to the free queue once every
     sequence holding it was freed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 group_windows: tuple[int | None, ...] = (None,)):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        if not group_windows or any(w is not None and w < 1 for w in group_windows):
+            raise ValueError(f"group_windows={group_windows!r}: give at least one group, each "
+                             "window None or >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        # one prefix-cache index per group; hash_to_block is group 0's (the one KV events show)
+        self._hash_index: list[dict[int, int]] = [{} for _ in group_windows]
+        self.hash_to_block = self._hash_index[0]
         self.events: list[KVCacheEvent] = []
-        # per sequence: number of leading blocks of its table already hashed and published
-        self._num_hashed_blocks: dict[int, int] = {}
+        # per group, per sequence: number of leading blocks of its table already hashed and
+        # published (holes of a sliding group included)
+        self._num_hashed: list[dict[int, int]] = [{} for _ in group_windows]
+        self._num_hashed_blocks = self._num_hashed[0]
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # prompt tokens served from the cache (tokens)
 
     # ----- read-only queries (used by admission and by its dry run) -----
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,30 +153,100 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def num_required_blocks(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens in one group (one table's length)."""
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, *, chunk_tokens: int) -> int:
+        """The most blocks one sequence of ``num_tokens`` tokens ever holds over all groups
+        when each step computes at most ``chunk_tokens`` of its tokens: every block in a full
+        group, at most ``ceil((W + chunk - 1) / block_size) + 1`` in a sliding one (its
+        window before the step's first query plus the step's tokens), never more than the
+        sequence has. The "can never fit" check of admission."""
+        num_blocks = self.num_required_blocks(num_tokens)
+        return sum(num_blocks if w is None else
+                   min(num_blocks, self.num_required_blocks(w + chunk_tokens - 1) + 1)
+                   for w in self.group_windows)
+
+    def tables(self, seq: Sequence) -> list[list[int | None]]:
+        """``seq``'s block table of each group (group 0's is ``seq.block_table``)."""
+        return [seq.block_table, *seq.group_block_tables]
+
+    def first_live_block(self, group: int, num_computed_tokens: int) -> int:
+        """Index of the first block of ``group`` a query at ``num_computed_tokens`` or later
+        can see (0 for a full group): its window starts at ``num_computed_tokens - W + 1``."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
+
+    def num_blocks_to_cover(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq``'s tables need, over all groups, to hold ``num_tokens`` tokens."""
+        need = self.num_required_blocks(num_tokens)
+        return sum(max(0, need - len(table)) for table in self.tables(seq))
+
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
-        """Block ids whose computed KV can serve ``seq``'s leading full blocks (no side effects).
+        """Group 0's block ids whose computed KV can serve ``seq``'s leading full blocks (no
+        side effects; :meth:`find_cached` for every group's).
 
         The block holding the last token is excluded, so at least one token is computed. A
         request that asks for prompt logprobs gets no hits: the cached positions would have none.
         """
+        return [b for b in self.find_cached(seq)[1][0] if b is not None]
+
+    def find_cached(self, seq: Sequence, taken: set[int] | frozenset[int] = frozenset()
+                    ) -> tuple[int, list[list[int | None]]]:
+        """(``k``, per group the first ``k`` table entries) of the longest cached prefix of
+        ``k`` full blocks that serves ``seq`` in every group (module docstring: the hybrid
+        rule); a sliding group's entries before its window are None. Blocks in ``taken`` (a
+        dry run's evictions) count as not cached."""
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-            return []
-        hits: list[int] = []
-        parent_block: tuple[int, int] | None = None
+            return 0, [[] for _ in self.group_windows]
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        for i, block_hash in enumerate(self.block_hashes(seq, max_blocks)):
-            block_id = self.hash_to_block.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if block.token_ids != tokens or block.parent != parent_block:
-                break
-            hits.append(block_id)
-            parent_block = (block_id, block.generation)
-        return hits
+        hashes = self.block_hashes(seq, max_blocks)
+        found: list[list[int | None]] = []
+        num_hit_blocks = max_blocks
+        for group, window in enumerate(self.group_windows):
+            chain = self._lookup(seq, group, hashes, taken, chained=window is None)
+            found.append(chain)
+            if window is None:
+                num_hit_blocks = min(num_hit_blocks, chain.index(None) if None in chain
+                                     else len(chain))
+        # the sliding groups: the longest k <= the full groups' whose window is all cached
+        while num_hit_blocks > 0 and not all(
+                None not in found[g][self.first_live_block(g, num_hit_blocks * self.block_size)
+                                     :num_hit_blocks]
+                for g, w in enumerate(self.group_windows) if w is not None):
+            num_hit_blocks -= 1
+        tables = []
+        for group, chain in enumerate(found):
+            first = self.first_live_block(group, num_hit_blocks * self.block_size)
+            tables.append([None] * first + chain[first:num_hit_blocks])
+        return num_hit_blocks, tables
+
+    def _lookup(self, seq: Sequence, group: int, hashes: list[int], taken, *,
+                chained: bool) -> list[int | None]:
+        """Per full block of ``hashes``, ``group``'s cached block for it or None. ``chained``
+        (full groups): stop at the first miss, and check each block's parent link too (the
+        collision guard); a sliding group keeps no parent links (its earlier blocks may be
+        gone) and checks the tokens only."""
+        index, bs = self._hash_index[group], self.block_size
+        out: list[int | None] = []
+        parent_block: tuple[int, int] | None = None
+        for i, block_hash in enumerate(hashes):
+            block_id = index.get(block_hash)
+            block = None if block_id is None or block_id in taken else self.blocks[block_id]
+            if block is not None and (
+                    block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                    or (chained and block.parent != parent_block)):
+                block = None
+            if block is None:
+                if chained:
+                    break
+                out.append(None)
+                continue
+            out.append(block.block_id)
+            parent_block = (block.block_id, block.generation)
+        return out
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chained hashes of ``seq``'s first ``num_blocks`` full blocks (the ones in
@@ -159,18 +263,59 @@ class BlockManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 
-    def admission_cost(self, seq: Sequence, claims: DryRunClaims | None = None) -> tuple[int, int]:
-        """(free blocks needed, cached tokens) to give ``seq`` blocks for all its tokens.
+    def _covered_tokens(self, group: int, seq: Sequence, num_cached_tokens: int,
+                        token_budget: int | None) -> int:
+        """Tokens ``group``'s table covers at admission: all of them in a full group; in a
+        sliding group only the first step's (its table grows step by step)."""
+        if self.group_windows[group] is None or token_budget is None:
+            return len(seq.token_ids)
+        return min(len(seq.token_ids), num_cached_tokens + token_budget)
+
+    def admission_cost(self, seq: Sequence, claims: DryRunClaims | None = None, *,
+                       token_budget: int | None = None) -> tuple[int, int]:
+        """(free blocks needed, cached tokens) to admit ``seq``: blocks for all its tokens in
+        each full group, and in each sliding group for those of its first step (at most
+        ``token_budget`` tokens after the cached ones; None: all).
 
         Cached blocks with ref count 0 sit in the free queue, so taking them also costs a free
         block; cached blocks already in use cost nothing. With ``claims``, the cost is the one
         ``seq`` would have after the dry run's earlier claims (see :meth:`claim`).
         """
-        hits = self._hits(seq, claims)
-        num_new = self.num_required_blocks(len(seq.token_ids)) - len(hits)
-        num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0
+        num_hit_blocks, tables = self._hits(seq, claims)
+        num_cached = num_hit_blocks * self.block_size
+        needed = 0
+        for group, hits in enumerate(tables):
+            covered = self._covered_tokens(group, seq, num_cached, token_budget)
+            needed += self.num_required_blocks(covered) - len(hits)
+            needed += sum(1 for b in hits if b is not None and self.blocks[b].ref_count == 0
                           and (claims is None or b not in claims.revived))
-        return num_new + num_revived, len(hits) * self.block_size
+        return needed, num_cached
+
+    def fitting_first_chunk(self, seq: Sequence, claims: DryRunClaims | None, *,
+                            token_budget: int, num_free_blocks: int) -> int:
+        """The largest first step (at most ``token_budget`` tokens after the cached ones)
+        whose blocks fit ``num_free_blocks``: the full groups need the whole prompt whatever
+        the step, the sliding groups one block fewer per block of tokens cut; 0 when nothing
+        fits (always 0 without a sliding group)."""
+        num_sliding = sum(w is not None for w in self.group_windows)
+        needed, num_cached = self.admission_cost(seq, claims, token_budget=token_budget)
+        budget = min(token_budget, len(seq.token_ids) - num_cached)
+        while needed > num_free_blocks and num_sliding and budget > 0:
+            num_cut_blocks = -(-(needed - num_free_blocks) // num_sliding)
+            end = (self.num_required_blocks(num_cached + budget) - num_cut_blocks) * self.block_size
+            budget = end - num_cached
+            if budget > 0:
+                needed, _ = self.admission_cost(seq, claims, token_budget=budget)
+        return budget if needed <= num_free_blocks and budget > 0 else 0
+
+    def max_tokens_to_cover(self, seq: Sequence, num_tokens: int, num_free_blocks: int) -> int:
+        """The most tokens, at most ``num_tokens``, ``seq``'s tables can cover with
+        ``num_free_blocks`` new blocks (a running prefill's chunk cut to the free blocks)."""
+        bs = self.block_size
+        end = num_tokens
+        while end > 0 and self.num_blocks_to_cover(seq, end) > num_free_blocks:
+            end = (self.num_required_blocks(end) - 1) * bs
+        return end
 
     def num_unclaimed_free_blocks(self, claims: DryRunClaims | None) -> int:
         """Free blocks, less those a dry run's ``claims`` hold (None: no dry run)."""
@@ -178,21 +323,31 @@ class BlockManager:
             return self.num_free_blocks
         return self.num_free_blocks - len(claims.revived) - len(claims.taken)
 
-    def claim_append(self, seq: Sequence, claims: DryRunClaims) -> bool:
-        """The dry run of :meth:`can_append` then :meth:`append_slots` for one more token of
-        ``seq``: record its new blocks in ``claims``; False (nothing recorded) when they are
-        not free."""
-        num_new_blocks = self.num_required_blocks(len(seq.token_ids)) - len(seq.block_table)
+    def claim_append(self, seq: Sequence, claims: DryRunClaims,
+                     num_tokens: int | None = None) -> bool:
+        """The dry run of :meth:`can_append` then :meth:`append_slots` for ``seq`` to hold
+        ``num_tokens`` tokens (default: one more token, all it has): record its new blocks
+        in ``claims``; False (nothing recorded) when they are not free."""
+        num_new_blocks = self.num_blocks_to_cover(
+            seq, len(seq.token_ids) if num_tokens is None else num_tokens)
         if num_new_blocks > self.num_unclaimed_free_blocks(claims):
             return False
         self.claim_new_blocks(num_new_blocks, claims)
         return True
 
-    def claim(self, seq: Sequence, claims: DryRunClaims) -> None:
-        """Record in ``claims`` the blocks ``allocate(seq)`` would take; changes nothing else."""
-        hits = self._hits(seq, claims)
-        claims.revived.update(b for b in hits if self.blocks[b].ref_count == 0)
-        self.claim_new_blocks(self.num_required_blocks(len(seq.token_ids)) - len(hits), claims)
+    def claim(self, seq: Sequence, claims: DryRunClaims, *,
+              token_budget: int | None = None) -> None:
+        """Record in ``claims`` the blocks ``allocate(seq, token_budget=...)`` would take;
+        changes nothing else."""
+        num_hit_blocks, tables = self._hits(seq, claims)
+        num_new = 0
+        for group, hits in enumerate(tables):
+            claims.revived.update(b for b in hits if b is not None
+                                  and self.blocks[b].ref_count == 0)
+            covered = self._covered_tokens(group, seq, num_hit_blocks * self.block_size,
+                                           token_budget)
+            num_new += self.num_required_blocks(covered) - len(hits)
+        self.claim_new_blocks(num_new, claims)
 
     def claim_new_blocks(self, num_blocks: int, claims: DryRunClaims) -> None:
         """Record in ``claims`` the ``num_blocks`` free-queue blocks the next allocations take."""
@@ -206,38 +361,41 @@ class BlockManager:
                     return
         raise RuntimeError("dry run claimed more blocks than are free")
 
-    def _hits(self, seq: Sequence, claims: DryRunClaims | None) -> list[int]:
-        hits = self.find_cached_blocks(seq)
-        if claims is not None:
-            for i, block_id in enumerate(hits):
-                if block_id in claims.taken:  # a claimed allocation would evict it: chain ends
-                    return hits[:i]
-        return hits
+    def _hits(self, seq: Sequence, claims: DryRunClaims | None
+              ) -> tuple[int, list[list[int | None]]]:
+        # a block a claimed allocation would evict is no longer cached
+        return self.find_cached(seq, claims.taken if claims is not None else frozenset())
 
     # ----- mutations -----
 
-    def allocate(self, seq: Sequence) -> int:
-        """Give ``seq`` blocks for all its current tokens, reusing cached prefix blocks.
+    def allocate(self, seq: Sequence, *, token_budget: int | None = None) -> int:
+        """Give ``seq`` blocks for its tokens, reusing cached prefix blocks: all of them in a
+        full group, in a sliding group those of its first step (``token_budget`` tokens after
+        the cached ones; None: all).
 
         Returns the number of tokens served from the prefix cache (a multiple of block_size).
         Raises:
             RuntimeError: not enough free blocks (callers check ``admission_cost`` first).
         """
         assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
-        needed, _ = self.admission_cost(seq)
+        needed, _ = self.admission_cost(seq, token_budget=token_budget)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"allocate: need {needed} free blocks, have {self.num_free_blocks}")
-        hits = self.find_cached_blocks(seq)
-        for block_id in hits:
+        num_hit_blocks, tables = self.find_cached(seq)
+        num_cached_tokens = num_hit_blocks * self.block_size
+        # every group's hits first: a new block taken from the free queue must not evict a
+        # cached block another group of this sequence is about to reuse
+        for block_id in (b for table in tables for b in table if b is not None):
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-        seq.block_table = list(hits)
-        self._num_hashed_blocks[seq.seq_id] = len(hits)
-        for _ in range(self.num_required_blocks(len(seq.token_ids)) - len(hits)):
-            seq.block_table.append(self._take_free_block())
-        num_cached_tokens = len(hits) * self.block_size
+        for group, table in enumerate(tables):
+            self._num_hashed[group][seq.seq_id] = num_hit_blocks
+            covered = self._covered_tokens(group, seq, num_cached_tokens, token_budget)
+            for _ in range(self.num_required_blocks(covered) - len(table)):
+                table.append(self._take_free_block())
+        seq.block_table, *seq.group_block_tables = tables
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq.token_ids)
             self.prefix_cache_hits += num_cached_tokens
@@ -245,41 +403,91 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """Whether the pool can hold ``num_new_tokens`` more tokens of ``seq``."""
-        needed = self.num_required_blocks(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
-        return needed <= self.num_free_blocks
+        return (self.num_blocks_to_cover(seq, len(seq.token_ids) + num_new_tokens - 1)
+                <= self.num_free_blocks)
 
     def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> None:
-        """Grow ``seq``'s block table to cover ``num_tokens`` tokens (default: all its tokens)."""
+        """Grow ``seq``'s block tables to cover ``num_tokens`` tokens (default: all its tokens)."""
         num_tokens = len(seq.token_ids) if num_tokens is None else num_tokens
-        while len(seq.block_table) * self.block_size < num_tokens:
-            seq.block_table.append(self._take_free_block())
+        for table in self.tables(seq):
+            while len(table) * self.block_size < num_tokens:
+                table.append(self._take_free_block())
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
-        """Shrink ``seq``'s block table to the blocks ``num_tokens`` tokens need, freeing the
+        """Shrink ``seq``'s block tables to the blocks ``num_tokens`` tokens need, freeing the
         rest: the slots speculative decoding reserved for draft tokens that were rejected.
 
         The freed blocks lie past the sequence's computed tokens, so they were never hashed or
         shared (ref count 1); they go to the free queue's tail.
         """
         keep = self.num_required_blocks(num_tokens)
-        while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
-            assert block.ref_count == 1 and block.block_hash is None, block.block_id
-            block.ref_count = 0
-            self.free_queue[block.block_id] = None
+        for table in self.tables(seq):
+            while len(table) > keep:
+                block = self.blocks[table.pop()]
+                assert block.ref_count == 1 and block.block_hash is None, block.block_id
+                block.ref_count = 0
+                self.free_queue[block.block_id] = None
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish hashes of ``seq``'s full blocks whose KV is now computed.
+        """After a step: publish hashes of ``seq``'s full blocks whose KV is now computed, then
+        release the sliding groups' blocks no future query of ``seq`` can see.
 
         Called after a step, so a hash never points at KV that was not written yet.
         """
-        if not self.enable_prefix_caching:
+        if self.enable_prefix_caching:
+            self._publish(seq)
+            for group in range(1, self.num_groups):
+                self._publish_group(seq, group)
+        for group, window in enumerate(self.group_windows):
+            if window is not None:
+                self._release_outside_window(seq, group)
+
+    def _release_outside_window(self, seq: Sequence, group: int) -> None:
+        """Release the blocks of ``group``'s table before the window of ``seq``'s next query
+        (to the free queue's tail, oldest first; a hashed block stays cached there until
+        evicted); their entries become None. The released run is a prefix: walk back from its
+        end to the first hole."""
+        table = self.tables(seq)[group]
+        end = min(self.first_live_block(group, seq.num_computed_tokens), len(table))
+        start = end
+        while start > 0 and table[start - 1] is not None:
+            start -= 1
+        for i in range(start, end):
+            block = self.blocks[table[i]]
+            assert block.ref_count > 0, f"block {block.block_id} freed twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+            table[i] = None
+
+    def _publish_group(self, seq: Sequence, group: int) -> None:
+        """Index the newly computed full blocks of a group other than 0 (no KV events, no
+        parent links: :meth:`_lookup`)."""
+        table = self.tables(seq)[group]
+        num_hashed = self._num_hashed[group].get(seq.seq_id, 0)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if num_full <= num_hashed:
             return
+        hashes = self.block_hashes(seq, num_full)
+        index, bs = self._hash_index[group], self.block_size
+        for i in range(num_hashed, num_full):
+            if table[i] is None:
+                continue
+            block = self.blocks[table[i]]
+            if block.block_hash is None:
+                block.block_hash, block.group = hashes[i], group
+                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                index.setdefault(hashes[i], block.block_id)  # first writer wins
+        self._num_hashed[group][seq.seq_id] = num_full
+
+    def _publish(self, seq: Sequence) -> None:
+        """:meth:`cache_computed_blocks` for group 0, with its KV events."""
         num_hashed = self._num_hashed_blocks.get(seq.seq_id, 0)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= num_hashed:
             return
-        prev = self.blocks[seq.block_table[num_hashed - 1]] if num_hashed else None
+        prev_id = seq.block_table[num_hashed - 1] if num_hashed else None
+        prev = self.blocks[prev_id] if prev_id is not None else None
         parent = prev.block_hash if prev is not None else None
         link = self._canonical_link(prev) if prev is not None else None
         # one event per run of consecutive newly published blocks, so that each event's parent
@@ -291,9 +499,13 @@ class BlockManager:
         for i in range(num_hashed, num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hashes[i]
+            if seq.block_table[i] is None:  # a sliding group 0 (no full group): a hole
+                parent, link = block_hash, None
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash, block.token_ids, block.parent = block_hash, tokens, link
+                block.group = 0
                 # first writer wins: an identical block computed twice keeps the older entry
                 if block_hash not in self.hash_to_block:
                     self.hash_to_block[block_hash] = block.block_id
@@ -321,14 +533,19 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks reaching ref count 0 go to the free queue tail."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed twice"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+        for table in self.tables(seq):
+            for block_id in reversed(table):
+                if block_id is None:  # a sliding group's block released earlier
+                    continue
+                block = self.blocks[block_id]
+                assert block.ref_count > 0, f"block {block_id} freed twice"
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    self.free_queue[block_id] = None
         seq.block_table = []
-        self._num_hashed_blocks.pop(seq.seq_id, None)
+        seq.group_block_tables = []
+        for num_hashed in self._num_hashed:
+            num_hashed.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Returns False (and does nothing) while blocks are in use."""
@@ -336,12 +553,13 @@ class BlockManager:
             return False
         for block in self.blocks:
             block.block_hash = block.token_ids = block.parent = None
-        self.hash_to_block.clear()
+        for index in self._hash_index:
+            index.clear()
         self.events.append(AllBlocksCleared())
         return True
 
     def wire_block_hashes(self) -> list[int]:
-        """The prefix cache's block hashes in KV events' wire form, sorted."""
+        """The prefix cache's block hashes (group 0's) in KV events' wire form, sorted."""
         return sorted(to_wire_hash(h) for h in self.hash_to_block)
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -355,8 +573,10 @@ class BlockManager:
         for block in self.blocks:
             assert (block.ref_count == 0) == (block.block_id in free), block.block_id
             assert block.ref_count >= 0
-        for block_hash, block_id in self.hash_to_block.items():
-            assert self.blocks[block_id].block_hash == block_hash
+        for group, index in enumerate(self._hash_index):
+            for block_hash, block_id in index.items():
+                assert self.blocks[block_id].block_hash == block_hash
+                assert self.blocks[block_id].group == group
 
     def _take_free_block(self) -> int:
         if not self.free_queue:
@@ -365,9 +585,11 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             # evict the cached content this block held
-            if self.hash_to_block.get(block.block_hash) == block_id:
-                del self.hash_to_block[block.block_hash]
-                self.events.append(removed_event([block.block_hash]))
+            index = self._hash_index[block.group]
+            if index.get(block.block_hash) == block_id:
+                del index[block.block_hash]
+                if block.group == 0:
+                    self.events.append(removed_event([block.block_hash]))
             block.block_hash = block.token_ids = block.parent = None
         block.generation += 1
         block.ref_count = 1

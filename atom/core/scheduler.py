@@ -273,8 +273,9 @@ class Scheduler:
         if num_tokens > cfg.max_model_len:
             return (f"the prompt has {num_tokens} tokens, more than max_model_len="
                     f"{cfg.max_model_len}: shorten it or raise max_model_len")
-        if bm.num_required_blocks(num_tokens) > bm.num_blocks:
-            return (f"the prompt needs {bm.num_required_blocks(num_tokens)} KV blocks but the "
+        num_blocks = bm.max_blocks_held(num_tokens, chunk_tokens=cfg.max_num_batched_tokens)
+        if num_blocks > bm.num_blocks:
+            return (f"the prompt needs {num_blocks} KV blocks but the "
                     f"whole pool has {bm.num_blocks}: shorten it or raise num_kv_blocks / "
                     f"kv_cache_memory_bytes")
         if not cfg.enable_chunked_prefill and num_tokens > cfg.max_num_batched_tokens:
@@ -402,14 +403,25 @@ class Scheduler:
             num_cacheable = (len(seq.token_ids) - 1) // bm.block_size * bm.block_size
             if prefilling.get(seq.request_id, num_cacheable) < num_cacheable:
                 return None
-        num_blocks, num_cached = bm.admission_cost(seq, claims)
-        if num_blocks > bm.num_unclaimed_free_blocks(claims):
-            return None
+        num_blocks, num_cached = bm.admission_cost(seq, claims, token_budget=token_budget)
+        num_free = bm.num_unclaimed_free_blocks(claims)
+        shrunk = False
+        if num_blocks > num_free:
+            # a sliding KV cache group's blocks follow the first chunk: a shorter one may fit
+            # (with chunking off, only a preempted sequence's recompute, which may have
+            # outgrown what one step's sliding blocks and the full ones take together)
+            if not (self.config.enable_chunked_prefill or seq.num_preemptions):
+                return None
+            token_budget = bm.fitting_first_chunk(seq, claims, token_budget=token_budget,
+                                                  num_free_blocks=num_free)
+            if token_budget == 0:
+                return None
+            shrunk = True
         num_uncomputed = len(seq.token_ids) - num_cached
         # chunking off: a prompt must fit one step (add() rejects longer ones); a preempted
         # sequence that outgrew the whole budget with its output tokens is recomputed in chunks
         # rather than waiting forever at the front of the queue
-        if (not self.config.enable_chunked_prefill and num_uncomputed > token_budget
+        if (not self.config.enable_chunked_prefill and not shrunk and num_uncomputed > token_budget
                 and len(seq.token_ids) <= self.config.max_num_batched_tokens):
             return None
         return num_cached, min(num_uncomputed, token_budget)
@@ -480,12 +492,25 @@ class Scheduler:
                     i += 1
                     continue
                 num_new = min(seq.num_uncomputed_tokens, token_budget)
+                # a sliding KV cache group's table grows chunk by chunk (a no-op otherwise:
+                # admission gave a full group blocks for the whole prompt); a chunk is cut to
+                # the free blocks, and preempts only when not one token fits
+                num_fit = self.block_manager.max_tokens_to_cover(
+                    seq, seq.num_computed_tokens + num_new,
+                    self.block_manager.num_unclaimed_free_blocks(claims)) - seq.num_computed_tokens
+                num_new = min(num_new, num_fit) if num_fit > 0 else num_new
+                num_tokens = seq.num_computed_tokens + num_new
+                if claims is not None:
+                    if not self.block_manager.claim_append(seq, claims, num_tokens):
+                        return out  # would preempt: the step admits nothing
+                elif not self._reserve_slots(seq, out, num_tokens):
+                    continue  # seq left the running list (preempted or finished)
             else:
                 num_new = 1
                 if claims is not None:
                     if not self.block_manager.claim_append(seq, claims):
                         return out  # would preempt: the step admits nothing
-                elif not self._reserve_decode_slot(seq, out):
+                elif not self._reserve_slots(seq, out):
                     continue  # seq left the running list (preempted or finished)
                 if self.config.num_speculative_tokens:  # drafts: budgeted, not in scheduled
                     token_budget -= self._reserve_spec_slots(seq, out, token_budget - 1, claims)
@@ -496,9 +521,13 @@ class Scheduler:
             self._admit_waiting(out, token_budget, claims)
         return out
 
-    def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Make room for one more token of ``seq``, preempting the newest sequences if needed."""
-        while not self.block_manager.can_append(seq):
+    def _reserve_slots(self, seq: Sequence, out: SchedulerOutput,
+                       num_tokens: int | None = None) -> bool:
+        """Make room for ``num_tokens`` tokens of ``seq`` (default: all it has, a decode's one
+        more), preempting the newest sequences if needed."""
+        bm = self.block_manager
+        num_tokens = len(seq.token_ids) if num_tokens is None else num_tokens
+        while bm.num_blocks_to_cover(seq, num_tokens) > bm.num_free_blocks:
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
                 # alone and still out of blocks: the pool is smaller than this sequence
@@ -510,7 +539,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self.block_manager.append_slots(seq)
+        bm.append_slots(seq, num_tokens)
         return True
 
     def _spec_tokens(self, seq: Sequence, token_budget: int, num_free_blocks: int) -> list[int] | range:
@@ -537,8 +566,8 @@ class Scheduler:
     def _num_spec_blocks(self, seq: Sequence, num_spec: int) -> int:
         """New blocks ``num_spec`` draft slots take beyond the decode's own slot."""
         bm = self.block_manager
-        covered = max(len(seq.block_table), bm.num_required_blocks(len(seq.token_ids)))
-        return max(0, bm.num_required_blocks(len(seq.token_ids) + num_spec) - covered)
+        return (bm.num_blocks_to_cover(seq, len(seq.token_ids) + num_spec)
+                - bm.num_blocks_to_cover(seq, len(seq.token_ids)))
 
     def _reserve_spec_slots(self, seq: Sequence, out: SchedulerOutput, token_budget: int,
                             claims: DryRunClaims | None) -> int:
@@ -603,9 +632,10 @@ class Scheduler:
             num_admitted += 1
             num_seqs += 1
             if claims is not None:
-                self.block_manager.claim(seq, claims)
+                self.block_manager.claim(seq, claims, token_budget=num_new)
             else:
-                num_cached = seq.num_computed_tokens = self.block_manager.allocate(seq)
+                num_cached = seq.num_computed_tokens = self.block_manager.allocate(
+                    seq, token_budget=num_new)
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = num_cached
             if self._start_remote_load(seq, num_cached, claims):

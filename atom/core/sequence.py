@@ -67,6 +67,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # the block tables of KV cache groups 1.. (hybrid models: gpt-oss's sliding layers), owned
+    # by the block manager; a sliding group's blocks no future query sees are None
+    group_block_tables: list[list[int | None]] = field(default_factory=list)
     # chained prefix-cache hashes of the leading full blocks of token_ids, filled lazily by the
     # block manager (which owns them, like block_table); valid for life: full blocks never change
     block_hashes: list[int] = field(default_factory=list)

@@ -87,7 +87,8 @@ class EngineCore:
         self.worker = worker
         self.runtime = runtime = worker.runtime
         self.block_manager = BlockManager(runtime.num_kv_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          group_windows=runtime.kv_cache_group_windows)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, runtime.max_model_len), self.block_manager,
             eos_token_ids=runtime.eos_token_ids, proposer=_ngram_proposer(config),
@@ -272,6 +273,7 @@ class EngineCore:
         stats.update(kv_cache_bytes=self.runtime.kv_cache_bytes,
                      kv_cache_bytes_per_token=self.runtime.kv_cache_bytes // (
                          self.block_manager.num_blocks * self.config.block_size),
+                     **_group_stats(self.runtime),
                      num_aborted_seqs=self.num_aborted_seqs,
                      num_front_end_finished_seqs=self.num_front_end_finished_seqs)
         if self.kv_event_publisher is not None:
@@ -341,3 +343,13 @@ def _start_publisher(config: EngineConfig, dp_rank: int):
         raise RuntimeError(f"dp rank {dp_rank}: cannot bind the KV events endpoints "
                            f"{settings.endpoint} / {settings.replay_endpoint} (offset by the "
                            f"rank): {exc}") from exc
+
+
+def _group_stats(runtime) -> dict[str, int]:
+    """With several KV cache groups, each group's bytes per token
+    (``kv_cache_bytes_per_token_full``, ``kv_cache_bytes_per_token_window_<W>``); none for one."""
+    windows = runtime.kv_cache_group_windows
+    if len(windows) < 2:
+        return {}
+    return {"kv_cache_bytes_per_token_" + ("full" if w is None else f"window_{w}"): n
+            for w, n in zip(windows, runtime.kv_cache_group_bytes_per_token)}

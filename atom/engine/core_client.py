@@ -96,9 +96,9 @@ _NOT_SUMMED = frozenset(("dp_rank", "tick", "wave_id", "collective_count", "coll
                          "idle", "num_waves_completed", "num_steps", "num_prefill_steps",
                          "num_mixed_prefill_steps", "num_tbo_steps", "num_spec_steps",
                          "kv_cache_bytes_per_token"))
-# the prefill decisions and EPLB's figures: identical on every rank (EPLB's timings are each
-# rank's own: the merged view shows the slowest)
-_NOT_SUMMED_PREFIXES = ("prefill_policy_", "eplb_")
+# the prefill decisions, EPLB's figures and each KV cache group's bytes per token: identical on
+# every rank (EPLB's timings are each rank's own: the merged view shows the slowest)
+_NOT_SUMMED_PREFIXES = ("prefill_policy_", "eplb_", "kv_cache_bytes_per_token_")
 
 
 def merge_rank_results(results: list[dict]) -> dict:

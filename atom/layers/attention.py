@@ -61,6 +61,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.kv_cache: torch.Tensor | None = None
+        # the KV cache group whose block tables this layer reads (bind_kv_caches sets it)
+        self.kv_cache_group = 0
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -78,6 +80,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         assert self.kv_cache is not None, "bind_kv_caches() must run before the forward"
+        meta = meta.for_group(self.kv_cache_group)
         out = paged_attention(q, k, v, self.kv_cache, meta, scale=self.scale, sinks=self.sinks,
                               sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

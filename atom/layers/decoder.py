@@ -241,12 +241,16 @@ class DecoderForCausalLM(nn.Module):
         """The input embeddings of int64 ``[T]`` ids: ``[T, hidden]`` in the run dtype."""
         return self.embed_tokens(input_ids)
 
-    def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Bind each layer's KV cache (runner-owned; shapes from :meth:`kv_cache_specs`)."""
+    def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor],
+                       kv_cache_groups: Sequence[int] | None = None) -> None:
+        """Bind each layer's KV cache (runner-owned; shapes from :meth:`kv_cache_specs`) and,
+        for a hybrid model, its KV cache group (:mod:`atom.kv_cache_spec`; None: all group 0)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             layer.self_attn.kv_cache = cache
+            if kv_cache_groups is not None:
+                layer.self_attn.kv_cache_group = kv_cache_groups[i]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,

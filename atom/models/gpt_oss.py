@@ -6,10 +6,11 @@ The shared pre-norm decoder (:class:`atom.layers.decoder.DecoderForCausalLM`) wi
 - attention with biases on q/k/v/o, a learned **sink** logit per head in every softmax's
   denominator, and a **sliding window** (``sliding_window`` tokens) in the layers
   ``layer_types`` marks ``sliding_attention`` (every other layer in the published models); the
-  full layers see everything (:mod:`atom.kernels.attention`). The windowed layers keep their
-  whole KV in the paged cache (:func:`GptOssForCausalLM.kv_cache_specs` says their window):
-  the window is a mask, and the block manager frees nothing early, so chunked prefill, prefix
-  caching and preemption need nothing of their own;
+  full layers see everything (:mod:`atom.kernels.attention`). The windowed layers form their
+  own KV cache group (:func:`GptOssForCausalLM.kv_cache_specs` says their window;
+  :func:`atom.kv_cache_spec.kv_cache_groups`): they share cache tensors with the full layers
+  through a block table of their own, whose blocks before the window the block manager
+  releases (:mod:`atom.core.block_manager`);
 - YaRN rotary (:class:`atom.layers.rotary.YarnScaling`, ``rope_scaling`` / ``rope_parameters``);
 - a mixture of experts in every layer: a router linear **with a bias**, the top
   ``num_experts_per_tok`` logits softmaxed over those k
@@ -141,8 +142,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def kv_cache_specs(cls, config) -> list[KVCacheSpec]:
-        """K and V of every layer, the sliding layers' window named (their cache is as large
-        as the full layers': the window only masks)."""
+        """K and V of every layer, the sliding layers' window named (they form a second KV
+        cache group: :func:`atom.kv_cache_spec.kv_cache_groups`)."""
         return [KVCacheSpec(num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                             sliding_window=config.family.window_of(i))
                 for i in range(config.num_hidden_layers)]

@@ -22,7 +22,8 @@ import torch
 
 from atom.core.sequence import Sequence
 from atom.kernels.attention import NO_KV_WRITE_SLOT, AttentionMetadata
-from atom.kv_cache_spec import KVCacheSpec, kv_cache_bytes_per_block
+from atom.kv_cache_spec import (KVCacheSpec, kv_cache_bytes_per_block, kv_cache_groups,
+                                kv_cache_slots)
 from atom.layers.moe import ExpertShard
 from atom.models import get_model_class
 from atom.worker.checkpoint import Checkpoint
@@ -156,10 +157,23 @@ class ModelRunner:
         self.model.pack_weights()
         # Zero-filled, not empty: the batched decode path reads whole blocks (masked past each
         # context), and masked garbage that happens to be NaN would still poison softmax @ V.
-        self.kv_cache_specs = self.kv_cache_specs_of(arch_config)
-        self.kv_caches = [zeroed_kv_cache(spec.shape(num_kv_blocks, block_size), dtype=dtype,
-                                          device=self.device) for spec in self.kv_cache_specs]
-        self.model.bind_kv_caches(self.kv_caches)
+        # Hybrid KV cache groups (atom.kv_cache_spec): layer j of every group shares tensor j
+        # (the groups' block ids never overlap), so kv_caches lists one tensor per layer with
+        # the same object at each layer of a slot.
+        self.kv_cache_specs = specs = self.kv_cache_specs_of(arch_config)
+        self.kv_cache_groups = kv_cache_groups(specs)
+        slots = kv_cache_slots(specs)
+        tensors: dict[int, torch.Tensor] = {}
+        for spec, slot in zip(specs, slots):
+            if slot not in tensors:
+                tensors[slot] = zeroed_kv_cache(spec.shape(num_kv_blocks, block_size),
+                                                dtype=dtype, device=self.device)
+        self.kv_caches = [tensors[slot] for slot in slots]
+        layer_groups = [0] * len(specs)
+        for g, group in enumerate(self.kv_cache_groups):
+            for layer in group.layer_ids:
+                layer_groups[layer] = g
+        self.model.bind_kv_caches(self.kv_caches, layer_groups)
         # a separate draft model (speculative decoding) that runs every step's forward too, on
         # its own KV cache with the same block ids (atom.engine.core._make_proposers)
         self.shadow_model = None
@@ -262,10 +276,16 @@ class ModelRunner:
         if end > self.max_model_len:
             raise ValueError(f"seq {seq.seq_id}: {end} tokens exceed max_model_len="
                              f"{self.max_model_len}")
-        if len(seq.block_table) * self.block_size < end:
-            raise ValueError(
-                f"seq {seq.seq_id}: block table of {len(seq.block_table)} blocks cannot hold "
-                f"{end} tokens (block size {self.block_size}); allocate blocks before the step")
+        if len(seq.group_block_tables) != len(self.kv_cache_groups) - 1:
+            raise ValueError(f"seq {seq.seq_id}: {1 + len(seq.group_block_tables)} block tables "
+                             f"for {len(self.kv_cache_groups)} KV cache groups")
+        for table in (seq.block_table, *seq.group_block_tables):
+            if len(table) * self.block_size < end:
+                raise ValueError(
+                    f"seq {seq.seq_id}: block table of {len(table)} blocks cannot hold "
+                    f"{end} tokens (block size {self.block_size}); allocate blocks before the step")
+            if table[(end - 1) // self.block_size] is None:
+                raise ValueError(f"seq {seq.seq_id}: the block of token {end - 1} was released")
 
     def _prepare(self, entries: list[tuple[Sequence, int, int]], num_padding_tokens: int) -> _Batch:
         """Flatten the step: token ids, positions, slots, block tables, output rows.
@@ -285,25 +305,27 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         query_start_loc = [0]
         context_lens: list[int] = []
-        tables: list[list[int]] = []
+        num_groups = len(self.kv_cache_groups)
+        group_slots: list[list[int]] = [[] for _ in range(num_groups)]
+        group_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         last_row: dict[int, int] = {}
         prompt_rows: dict[int, tuple[int, int]] = {}
         for seq, skip, num_new_tokens in order:
             start = seq.num_computed_tokens + skip
             end = start + num_new_tokens
             offset = len(input_ids)
-            table = seq.block_table
             input_ids += seq.token_ids[start:end]
             if end > len(seq.token_ids):  # a verify entry: the drafts follow the last token
                 input_ids += seq.spec_token_ids
             positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            for g, table in enumerate((seq.block_table, *seq.group_block_tables)):
+                group_slots[g] += [table[p // bs] * bs + p % bs for p in range(start, end)]
+                # a sliding group's released blocks (None) read as block 0: masked, never read
+                group_tables[g].append([0 if b is None else b for b in table[: -(-end // bs)]])
             query_start_loc.append(len(input_ids))
             context_lens.append(end)
-            tables.append(table[: -(-end // bs)])
             last_row[seq.seq_id] = offset + num_new_tokens - 1
             if seq.sampling_params.prompt_logprobs is not None:
                 prompt_end = min(end, seq.num_prompt_tokens - 1)
@@ -311,22 +333,24 @@ class ModelRunner:
                     prompt_rows[seq.seq_id] = (offset, offset + prompt_end - start)
         input_ids += [0] * num_padding_tokens
         positions += [0] * num_padding_tokens
-        slots += [NO_KV_WRITE_SLOT] * num_padding_tokens
-        max_blocks = max((len(t) for t in tables), default=1)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]  # block 0: masked, never read
+        max_blocks = max((len(t) for t in group_tables[0]), default=1)
 
         def as_tensor(values, shape=None) -> torch.Tensor:
             t = torch.tensor(values, dtype=torch.int64)
             return (t if shape is None else t.view(shape)).to(self.device)
 
-        meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots),
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=as_tensor(padded, (len(padded), max_blocks)),
-            num_decodes=sum(1 for _, _, n in order if n == 1),
-            context_lens_tensor=as_tensor(context_lens),
-        )
+        def group_meta(g: int) -> AttentionMetadata:
+            padded = [t + [0] * (max_blocks - len(t)) for t in group_tables[g]]  # block 0: masked
+            return AttentionMetadata(
+                slot_mapping=as_tensor(group_slots[g] + [NO_KV_WRITE_SLOT] * num_padding_tokens),
+                query_start_loc=query_start_loc, context_lens=context_lens,
+                block_tables=as_tensor(padded, (len(padded), max_blocks)),
+                num_decodes=num_decodes, context_lens_tensor=context_lens_tensor)
+
+        num_decodes = sum(1 for _, _, n in order if n == 1)
+        context_lens_tensor = as_tensor(context_lens)
+        meta = group_meta(0)
+        meta.group_metadata = tuple(group_meta(g) for g in range(1, num_groups))
         sampled, sample_rows, num_rows = [], [], []
         for seq, skip, n in entries:
             if seq.samples_next_token(skip + n):  # rows for its last token and each draft

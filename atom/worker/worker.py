@@ -30,7 +30,7 @@ from atom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVLay
 from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.scheduler import SchedulerOutput
 from atom.core.sequence import Sequence
-from atom.kv_cache_spec import describe_layers
+from atom.kv_cache_spec import describe_groups, describe_layers, kv_cache_groups
 from atom.layers.moe import ExpertShard, moe_layers
 from atom.messages import EngineRuntime
 from atom.worker.model_runner import ModelOutput, ModelRunner
@@ -77,6 +77,11 @@ class Worker:
         if draft is not None:  # its cache has the target's blocks: the budget covers both
             bytes_per_block += ModelRunner.kv_cache_bytes_per_block(
                 draft[0], dtype=dtype, block_size=config.block_size)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        specs = ModelRunner.kv_cache_specs_of(arch)
+        groups = kv_cache_groups(specs)
+        if len(groups) > 1:
+            _check_hybrid_supported(config, has_full_group=groups[0].sliding_window is None)
         num_blocks = config.resolved_num_kv_blocks(bytes_per_block)
         if num_blocks * config.block_size < max_model_len:
             logger.warning("KV pool holds %d tokens, fewer than max_model_len=%d: long sequences "
@@ -98,7 +103,11 @@ class Worker:
         self.runtime = EngineRuntime(num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                      vocab_size=arch.vocab_size, eos_token_ids=eos,
                                      kv_cache_bytes=num_blocks * bytes_per_block, dtype=dtype_name,
-                                     num_experts=layers[0].num_experts if layers else None)
+                                     num_experts=layers[0].num_experts if layers else None,
+                                     kv_cache_group_windows=tuple(g.sliding_window for g in groups),
+                                     kv_cache_group_bytes_per_token=tuple(
+                                         itemsize * sum(specs[i].values_per_token()
+                                                        for i in g.layer_ids) for g in groups))
         self.kv_layout = KVLayout(architecture=arch.architecture, dtype=dtype_name,
                                   block_size=config.block_size,
                                   layers=tuple(self.runner.kv_cache_specs))
@@ -116,9 +125,11 @@ class Worker:
             self.rejection_sampler = RejectionSampler(self.sampler)
         release_freed_heap()
         logger.info("worker ready: dtype %s, %d KV blocks x %d tokens (%.1f MiB, %d bytes per "
-                    "token: %s), max_model_len %d", dtype_name, num_blocks, config.block_size,
+                    "token: %s%s), max_model_len %d", dtype_name, num_blocks, config.block_size,
                     self.runtime.kv_cache_bytes / 2**20, bytes_per_block // config.block_size,
-                    describe_layers(self.runner.kv_cache_specs), max_model_len)
+                    describe_layers(self.runner.kv_cache_specs),
+                    "" if len(groups) == 1 else "; " + describe_groups(specs, itemsize=itemsize),
+                    max_model_len)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -293,6 +304,27 @@ def _load_draft_model(path: str, dtype: torch.dtype, *, target, max_model_len: i
         raise ValueError(f"draft_model {path}: {arch.max_position_embeddings} positions, fewer "
                          f"than max_model_len={max_model_len}: lower --max-model-len")
     return arch, weights
+
+
+def _check_hybrid_supported(config: EngineConfig, *, has_full_group: bool) -> None:
+    """Refuse what does not know about several KV cache groups yet (a model with sliding
+    layers, :func:`atom.kv_cache_spec.kv_cache_groups`): P/D moves one block table's blocks and
+    a draft model's forward (a separate model, or the target's first layers) reads one table. KV events (and the cache-aware DP
+    router they feed) describe the full-attention group's blocks, an upper bound of a hybrid
+    hit (:mod:`atom.core.block_manager`); without a full group there is nothing to describe.
+
+    Raises:
+        ValueError: ``kv_role`` or speculative_method draft is set, or KV events without a
+            full group.
+    """
+    for name, on in (("P/D (kv_role)", config.kv_role is not None),
+                     ("KV events (kv_events_endpoint or cache_aware routing)",
+                      not has_full_group and config.resolved_kv_events() is not None),
+                     ("a draft model (speculative_method draft)",
+                      config.speculative_method == "draft")):
+        if on:
+            raise ValueError(f"{name} does not support a model with sliding-window layers "
+                             "(hybrid KV cache groups) yet: turn it off for this model")
 
 
 def _start_kv_connector(config: EngineConfig, runner: ModelRunner, dp_rank: int,

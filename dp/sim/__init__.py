@@ -108,6 +108,7 @@ def simulate(requests: Sequence[TraceRequest], config: EngineConfig,
     sim = Simulator(config, CostModel(profile, expert_parallel=config.enable_expert_parallel,
                                       slowest_rank=slowest_rank, dummy_cost=dummy_cost),
                     num_kv_blocks=config.resolved_num_kv_blocks(kv_bytes_per_block),
+                    kv_cache_group_windows=tuple(facts.get("kv_cache_group_windows") or (None,)),
                     max_model_len=config.resolved_max_model_len(
                         facts.get("max_position_embeddings", 8192)),
                     trace_dir=trace_dir, experts=experts)

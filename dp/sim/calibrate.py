@@ -39,6 +39,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import tempfile
@@ -130,6 +131,21 @@ class _MLPTimer:
             h.remove()
 
 
+def _num_kv_cache_groups(model: str | None) -> int:
+    """KV cache groups of ``model`` (:func:`atom.kv_cache_spec.kv_cache_groups`) from its
+    ``config.json`` alone; 1 for a GGUF file (the embedded model)."""
+    from atom.kv_cache_spec import kv_cache_groups
+    from atom.worker.model_loader import arch_config_from_hf
+    from atom.worker.model_runner import ModelRunner
+
+    path = os.path.join(model, "config.json") if model else None
+    if path is None or not os.path.isfile(path):
+        return 1
+    with open(path) as f:
+        arch = arch_config_from_hf(json.load(f), source=path)
+    return len(kv_cache_groups(ModelRunner.kv_cache_specs_of(arch)))
+
+
 def _run_point(worker, block_manager, point: dict, timer: _MLPTimer, vocab_size: int
                ) -> tuple[float, float, list[MicroBatch]]:
     """One timed ``Worker.execute_model`` (forward + sampling) of ``point``: seconds, MLP
@@ -176,13 +192,17 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
     from atom.core.block_manager import BlockManager
     from atom.worker.worker import Worker
 
+    # a hybrid model's (gpt-oss) groups each hold the grid's tokens, at the bytes of one group
+    num_groups = _num_kv_cache_groups(config.model)
     worker = Worker(dataclasses.replace(
-        config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS, enable_prefix_caching=False,
+        config, data_parallel_size=1, num_kv_blocks=GRID_KV_BLOCKS * num_groups,
+        enable_prefix_caching=False,
         prefill_policy=None, prefill_decode_interval=0, enable_expert_parallel=False,
         dp_trace=None, dp_load_balance="least_requests", max_model_len=2048))
     runtime = worker.runtime
     block_manager = BlockManager(runtime.num_kv_blocks, config.block_size,
-                                 enable_prefix_caching=False)
+                                 enable_prefix_caching=False,
+                                 group_windows=runtime.kv_cache_group_windows)
     _fill_kv_pool(worker)
     timer = _MLPTimer(worker.model)
     try:
@@ -199,6 +219,8 @@ def measure_grid(config: EngineConfig, *, repeats: int = 3,
                  "max_position_embeddings": arch.max_position_embeddings,
                  "num_experts": runtime.num_experts, "architecture": arch.architecture,
                  "vocab_size": runtime.vocab_size}
+        if num_groups > 1:  # the simulator's pools follow the same groups
+            facts["kv_cache_group_windows"] = list(runtime.kv_cache_group_windows)
     finally:
         timer.remove()
         worker.close()

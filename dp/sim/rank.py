@@ -138,6 +138,7 @@ class SimRank:
             n-gram speculation).
         dp_rank: this rank.
         num_kv_blocks: its KV pool (``config.resolved_num_kv_blocks`` of the model).
+        kv_cache_group_windows: the model's KV cache groups (the profile's facts).
         max_model_len: ``config.resolved_max_model_len`` of the model.
         index: the router's KV index, fed this rank's KV events every step; None = off.
     Raises:
@@ -145,14 +146,16 @@ class SimRank:
     """
 
     def __init__(self, config: EngineConfig, *, dp_rank: int, num_kv_blocks: int,
-                 max_model_len: int, index=None):
+                 max_model_len: int, index=None,
+                 kv_cache_group_windows: tuple[int | None, ...] = (None,)):
         if config.speculative_method not in (None, "ngram"):
             raise ValueError(f"the simulator has no model to draft with: speculative_method="
                              f"{config.speculative_method!r} cannot be simulated (use ngram)")
         self.dp_rank = dp_rank
         runtime = EngineRuntime(num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                                 vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(), kv_cache_bytes=0,
-                                dtype="simulated")
+                                dtype="simulated",
+                                kv_cache_group_windows=kv_cache_group_windows)
         self.core = EngineCore(config, SimWorker(runtime), dp_rank=dp_rank,
                                kv_event_publisher=_EventsToIndex(index, dp_rank))
         self.arrivals: TickArrivals[TraceRequest] = TickArrivals()

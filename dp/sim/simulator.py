@@ -107,6 +107,8 @@ class Simulator:
             TBO; ``num_kv_blocks`` and ``max_model_len`` as resolved by the caller).
         cost: the cost model.
         num_kv_blocks, max_model_len: each rank's pool and sequence limit.
+        kv_cache_group_windows: the model's KV cache groups (the profile's facts; one full
+            group unless the model has sliding layers).
         trace_dir: write the per-tick trace there; None = off.
         max_ticks: stop with RuntimeError after this many ticks (a runaway guard).
         experts: the routed tokens' skew and placement (with expert parallelism; EPLB's
@@ -115,14 +117,16 @@ class Simulator:
 
     def __init__(self, config: EngineConfig, cost: CostModel, *, num_kv_blocks: int,
                  max_model_len: int, trace_dir: str | pathlib.Path | None = None,
-                 max_ticks: int = DEFAULT_MAX_TICKS, experts: SimExperts | None = None):
+                 max_ticks: int = DEFAULT_MAX_TICKS, experts: SimExperts | None = None,
+                 kv_cache_group_windows: tuple[int | None, ...] = (None,)):
         n = config.data_parallel_size
         self.config = config
         self.cost = cost
         cache_aware = config.dp_load_balance == "cache_aware"
         self.index = KVCacheIndex(range(n)) if cache_aware else None
         self.ranks = [SimRank(config, dp_rank=r, num_kv_blocks=num_kv_blocks,
-                              max_model_len=max_model_len, index=self.index)
+                              max_model_len=max_model_len, index=self.index,
+                              kv_cache_group_windows=kv_cache_group_windows)
                       for r in range(n)]
         self.counters = [StepCounters() for _ in range(n)]
         self.decider = make_prefill_decider(config, log_every_n_decisions=None)

@@ -24,10 +24,11 @@ EOS = 2
 # ----- factories and the fake model -----
 
 def make_scheduler(*, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                   max_model_len: int = 128, chunked: bool = True, prefix: bool = True) -> Scheduler:
+                   max_model_len: int = 128, chunked: bool = True, prefix: bool = True,
+                   group_windows: tuple[int | None, ...] = (None,)) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=chunked)
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix)
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix, group_windows=group_windows)
     return Scheduler(config, bm, eos_token_ids=(EOS,))
 
 
@@ -90,7 +91,8 @@ class Driver:
             assert seq.status is SequenceStatus.RUNNING and num_new >= 1
             end = seq.num_computed_tokens + num_new
             assert end <= len(seq.token_ids)
-            assert len(seq.block_table) * BS >= end  # blocks cover what is computed
+            for table in sched.block_manager.tables(seq):  # blocks cover what is computed
+                assert len(table) * BS >= end and table[(end - 1) // BS] is not None
             if not seq.is_prefill:  # a decode: exactly the last (sampled) token
                 assert num_new == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1
                 assert seq.num_computed_tokens >= seq.num_prompt_tokens  # never mid-prompt
@@ -120,8 +122,10 @@ def check_pool(sched: Scheduler) -> None:
     # ref count of each block == number of running sequences holding it
     holders: dict[int, int] = {}
     for seq in sched.running:
-        for b in seq.block_table:
-            holders[b] = holders.get(b, 0) + 1
+        for table in bm.tables(seq):  # every KV cache group's (released blocks are None)
+            for b in table:
+                if b is not None:
+                    holders[b] = holders.get(b, 0) + 1
     for block in bm.blocks:
         assert block.ref_count == holders.get(block.block_id, 0), block.block_id
 
@@ -132,8 +136,8 @@ def snapshot(sched: Scheduler) -> tuple:
     seqs = [*sched.waiting, *sched.running]
     return (
         [s.seq_id for s in sched.waiting], [s.seq_id for s in sched.running],
-        [(s.status, s.num_computed_tokens, list(s.block_table), list(s.token_ids), s.num_cached_tokens)
-         for s in seqs],
+        [(s.status, s.num_computed_tokens, [list(t) for t in bm.tables(s)], list(s.token_ids),
+          s.num_cached_tokens) for s in seqs],
         list(bm.free_queue),
         [(b.ref_count, b.block_hash, b.token_ids, b.parent, b.generation) for b in bm.blocks],
         dict(bm.hash_to_block), list(bm.events), dict(bm._num_hashed_blocks),
@@ -474,11 +478,19 @@ def test_every_block_is_free_after_a_mixed_workload():
 def test_random_workloads_keep_every_invariant(seed):
     """Arrivals, n > 1, aborts, shared prefixes, tight pools, chunking on and off: the driver
     checks budgets, pool invariants and preview_admission every step; outputs match the script."""
+    run_random_workload(seed)
+
+
+def run_random_workload(seed: int, group_windows: tuple[int | None, ...] = (None,)) -> None:
+    """:func:`test_random_workloads_keep_every_invariant`'s workload on a pool of
+    ``group_windows`` KV cache groups (tests/core/test_kv_cache_groups.py: a hybrid pool)."""
     rng = random.Random(seed)
     max_model_len = 40
-    sched = make_scheduler(num_blocks=rng.randint(6, 14), max_num_seqs=rng.randint(1, 5),
+    extra = 4 * (len(group_windows) - 1)  # the sliding groups' blocks
+    sched = make_scheduler(num_blocks=rng.randint(6, 14) + extra, max_num_seqs=rng.randint(1, 5),
                            max_num_batched_tokens=rng.randint(8, 24), max_model_len=max_model_len,
-                           chunked=rng.random() < 0.6, prefix=rng.random() < 0.8)
+                           chunked=rng.random() < 0.6, prefix=rng.random() < 0.8,
+                           group_windows=group_windows)
     bases = [prompt(30, 1000 * k) for k in range(3)]
     d = Driver(sched)
     seqs: list[Sequence] = []

@@ -23,9 +23,14 @@ class BlockPool:
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(NUM_KV_BLOCKS, generator=gen).tolist()
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_table) * BLOCK_SIZE < num_tokens:
-            seq.block_table.append(self.free.pop())
+    def grow(self, seq: Sequence, num_tokens: int, num_groups: int = 1) -> None:
+        """Cover ``num_tokens`` tokens in each of ``num_groups`` KV cache groups' tables (a
+        hybrid model's groups take distinct blocks: they share the cache tensors)."""
+        while len(seq.group_block_tables) < num_groups - 1:
+            seq.group_block_tables.append([])
+        for table in (seq.block_table, *seq.group_block_tables):
+            while len(table) * BLOCK_SIZE < num_tokens:
+                table.append(self.free.pop())
 
 
 def seq_of(token_ids: list[int], *, prompt_logprobs: int | None = None) -> Sequence:
@@ -36,7 +41,7 @@ def seq_of(token_ids: list[int], *, prompt_logprobs: int | None = None) -> Seque
 def step(runner: ModelRunner, pool: BlockPool, scheduled: list[tuple[Sequence, int]]):
     """Allocate, run and advance like the scheduler would (the runner itself mutates nothing)."""
     for seq, n in scheduled:
-        pool.grow(seq, seq.num_computed_tokens + n)
+        pool.grow(seq, seq.num_computed_tokens + n, len(runner.kv_cache_groups))
     out = runner.execute_model(scheduled)
     for seq, n in scheduled:
         seq.num_computed_tokens += n

@@ -30,7 +30,8 @@ import torch
 
 from atom.config import EngineConfig
 from atom.engine.preflight import check_model_files
-from atom.kv_cache_spec import KVCacheSpec, describe_layers
+from atom.kv_cache_spec import (KVCacheSpec, describe_groups, describe_layers, kv_cache_groups,
+                                kv_cache_slots)
 from atom.layers.moe import ExpertShard, TopKSoftmaxMoE
 from atom.layers.weights import dequantize_mxfp4
 from atom.models import get_model_class
@@ -81,9 +82,16 @@ def test_kv_cache_specs_name_each_layers_window(family):
     assert specs == [KVCacheSpec(num_kv_heads=2, head_dim=24, sliding_window=w) for w in WINDOWS]
     assert describe_layers(specs) == ("layer 0: K+V 2 heads x 24, window 8; layer 1: K+V 2 heads "
                                       "x 24; layer 2: K+V 2 heads x 24, window 8")
-    # a windowed layer keeps every token's K/V: the bytes of a block are the full layers'
+    # two KV cache groups (full: layer 1; window 8: layers 0, 2) sharing cache tensors: a
+    # block id holds the larger group's two layers, not all three
+    assert [(g.sliding_window, g.layer_ids) for g in kv_cache_groups(specs)] == [
+        (None, (1,)), (8, (0, 2))]
+    assert kv_cache_slots(specs) == [0, 0, 1]
+    assert describe_groups(specs, itemsize=4) == (
+        "2 KV cache groups: full 1 layers 384 bytes per token, window 8 2 layers 768 bytes per "
+        "token (shared tensors)")
     assert ModelRunner.kv_cache_bytes_per_block(config, dtype=torch.float32, block_size=16) == (
-        3 * 16 * 2 * 2 * 24 * 4)
+        2 * 16 * 2 * 2 * 24 * 4)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +105,12 @@ def test_engine_greedy_matches_transformers(family, engine):
     prompts = engine_parity_prompts()
     assert min(map(len, prompts)) > 8 and max(map(len, prompts)) > 32  # window, YaRN's context
     check_engine_parity(engine, family[1], prompts)
+    # two KV cache groups: the sliding layers release what leaves their window; without that,
+    # the 57 + 12 token sequences would need 9 + 9 of the pool's 12 blocks and be cut
+    stats = engine.get_stats()
+    assert stats["kv_cache_bytes_per_token_full"] == 1 * 2 * 2 * 24 * 4
+    assert stats["kv_cache_bytes_per_token_window_8"] == 2 * 2 * 2 * 24 * 4
+    assert stats["kv_cache_bytes_per_token"] == 2 * 2 * 2 * 24 * 4  # a block id: the larger group
 
 
 def test_ngram_speculative_decoding_keeps_the_greedy_tokens(family, engine):
@@ -216,3 +230,27 @@ def test_default_layer_types_alternate_and_default_rope_is_plain(family):
     assert family_config.layer_types == ("sliding_attention", "full_attention",
                                          "sliding_attention")  # transformers' default
     assert family_config.yarn is None
+
+
+@pytest.mark.parametrize("options, has_full_group, match", [
+    (dict(kv_role="producer"), True, "P/D"),
+    (dict(speculative_method="draft", num_speculative_tokens=2, draft_num_layers=1), True,
+     "draft model"),
+    (dict(kv_events_endpoint="tcp://127.0.0.1:0"), False, "KV events"),
+])
+def test_what_cannot_serve_kv_cache_groups_refuses_in_one_line(options, has_full_group, match):
+    from atom.worker.worker import _check_hybrid_supported
+
+    with pytest.raises(ValueError, match=match):
+        _check_hybrid_supported(EngineConfig(**options), has_full_group=has_full_group)
+    # KV events describe the full group's blocks: allowed when there is one
+    _check_hybrid_supported(EngineConfig(kv_events_endpoint="tcp://127.0.0.1:0"),
+                            has_full_group=True)
+
+
+def test_each_groups_bytes_per_token_is_not_summed_over_ranks():
+    from atom.engine.core_client import merge_rank_results
+
+    rank = {"kv_cache_bytes_per_token_full": 384, "kv_cache_bytes_per_token_window_8": 768,
+            "num_free_blocks": 12}
+    assert merge_rank_results([rank, rank]) == {**rank, "num_free_blocks": 24}

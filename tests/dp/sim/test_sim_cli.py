@@ -138,7 +138,8 @@ _TINY_KV_BYTES_PER_TOKEN = 3 * 2 * 2 * 24 * 4
 
 
 def _check_calibration_of_a_tiny_moe(folder, architecture: str, *,
-                                     kv_bytes_per_token: int = _TINY_KV_BYTES_PER_TOKEN) -> None:
+                                     kv_bytes_per_token: int = _TINY_KV_BYTES_PER_TOKEN,
+                                     **more_facts) -> None:
     """A decode point and a TBO prefill point measured on the tiny MoE in ``folder`` (3 layers,
     8 experts, 2048 positions); its facts are the model's (``kv_bytes_per_token``: by default
     2 KV heads of 24 in each layer)."""
@@ -147,17 +148,21 @@ def _check_calibration_of_a_tiny_moe(folder, architecture: str, *,
                                                     num_threads=1), repeats=1, grid=grid)
     assert facts == {"kv_cache_bytes_per_token": kv_bytes_per_token,
                      "max_position_embeddings": 2048, "num_experts": 8,
-                     "architecture": architecture, "vocab_size": 20000}
+                     "architecture": architecture, "vocab_size": 20000, **more_facts}
     assert [len(m["micro_batches"]) for m in measurements] == [1, 2]
 
 
 def test_calibration_grid_on_a_gpt_oss_folder(tmp_path):
-    """`atom sim calibrate --model FOLDER` on gpt-oss: the windowed layers keep every token's
-    K/V (the KV bytes per token count every layer), its experts are counted; a TBO point runs."""
+    """`atom sim calibrate --model FOLDER` on gpt-oss: two KV cache groups (the full layer, the
+    two windowed ones) sharing cache tensors, so a block id's bytes per token are the larger
+    group's two layers and the facts name the groups' windows for the simulator's pools; its
+    experts are counted; a TBO point runs."""
     from tests.moe_utils import build_tiny_gpt_oss
 
     build_tiny_gpt_oss(tmp_path, vocab_size=20000, max_position_embeddings=2048)
-    _check_calibration_of_a_tiny_moe(tmp_path, "GptOssForCausalLM")
+    _check_calibration_of_a_tiny_moe(tmp_path, "GptOssForCausalLM",
+                                     kv_bytes_per_token=2 * 2 * 2 * 24 * 4,
+                                     kv_cache_group_windows=[None, 8])
 
 
 def test_calibration_grid_on_a_deepseek_v3_folder(tmp_path):

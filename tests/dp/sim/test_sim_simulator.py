@@ -170,3 +170,15 @@ def test_the_simulation_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_hybrid_model_simulates_on_two_kv_cache_groups():
+    """A profile whose facts name KV cache groups (gpt-oss's, from calibration) gives every rank
+    a hybrid pool: sliding blocks released behind the window, every block back at the end."""
+    requests = W.dp_experiment(clock="tick", burst_interval=8)
+    sim = run(requests, kv_cache_group_windows=(None, 16))
+    assert {r.request.request_id: len(r.token_times_s) for r in sim.records} == {
+        r.request_id: r.output_len for r in requests}
+    for rank in sim.ranks:
+        assert rank.block_manager.group_windows == (None, 16)
+        assert rank.block_manager.num_free_blocks == rank.block_manager.num_blocks
