@@ -1,0 +1,76 @@
+"""MTP speculative decoding on 2 real DP ranks with expert parallelism and two-batch overlap
+(gloo, fp32), on the tiny DeepSeek-V3 with an MTP layer (tests/moe_utils.py ``add_mtp_layer``).
+
+The MTP layer's MoE runs the EP collectives in every draft forward, so every rank must run as
+many draft forwards per step as the others, sized alike: greedy output (k = 1 and 3) equals
+one rank's spec-off output with every request on rank 0 (rank 1 idle: dummy drafts), spread
+over both ranks (chunked prompts: steps where a rank holds only prefill chunks while the other
+drafts), and with sequences cut at ``max_model_len`` (they draft fewer tokens as they near it,
+down to none at ``max_model_len - 1``); no hang (the group timeout bounds every collective),
+and the collective hashes of both ranks agree after each run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from atom import LLM, SamplingParams
+from tests.moe_utils import (OPTIONS, PARAMS, add_mtp_layer, build_tiny_deepseek,
+                             idle_rank_stats, tiny_prompts)
+from tests.utils import check_greedy_close, ours_greedy
+
+MAX_MODEL_LEN = 96
+#: long enough that every sequence runs into max_model_len (prompts of 4 .. 60 tokens)
+LONG = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN, logprobs=5, ignore_eos=True)
+ENGINE = dict(OPTIONS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32,
+              skip_tokenizer_init=True, dp_group_timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek-v3-mtp")
+    build_tiny_deepseek(path)
+    add_mtp_layer(path, predictable=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def references(folder):
+    """Spec-off greedy on one rank: (short runs, runs to max_model_len)."""
+    requests = [{"prompt_token_ids": p} for p in tiny_prompts()]
+    with LLM(str(folder), **ENGINE) as llm:
+        return (ours_greedy(llm.generate(requests, PARAMS)),
+                ours_greedy(llm.generate(requests, LONG)))
+
+
+def _check_lockstep(llm: LLM) -> list[dict]:
+    stats = idle_rank_stats(llm)
+    assert len(stats) == 2  # no rank failed
+    assert stats[0]["collective_hash"] == stats[1]["collective_hash"]
+    assert stats[0]["collective_count"] == stats[1]["collective_count"]
+    assert stats[0]["num_spec_steps"] == stats[1]["num_spec_steps"]
+    return stats
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_on_two_ep_ranks_with_tbo(folder, references, k):
+    short, long = references
+    requests = [{"prompt_token_ids": p} for p in tiny_prompts()]
+    with LLM(str(folder), **ENGINE, data_parallel_size=2, enable_expert_parallel=True,
+             enable_tbo=True, speculative_method="mtp", num_speculative_tokens=k) as llm:
+        pinned = ours_greedy(llm.generate(requests, PARAMS, data_parallel_rank=0))
+        check_greedy_close(pinned, short, name=f"mtp k={k}, EP + TBO, rank 1 idle")
+        stats = _check_lockstep(llm)
+        assert stats[1]["num_dummy_steps"] == stats[1]["num_steps"] > 0
+        assert stats[1]["spec_num_verifies"] == 0 < stats[0]["spec_num_accepted_tokens"]
+        spread = ours_greedy(llm.generate(requests, PARAMS))
+        check_greedy_close(spread, short, name=f"mtp k={k}, EP + TBO, both ranks")
+        stats = _check_lockstep(llm)
+        assert stats[1]["spec_num_verifies"] > 0
+        assert stats[0]["num_tbo_steps"] > 0  # prefill-only steps still split
+        to_max = ours_greedy(llm.generate(requests, LONG))
+        check_greedy_close(to_max, long, name=f"mtp k={k}, EP + TBO, to max_model_len")
+        assert all(len(p) + len(r.token_ids) == MAX_MODEL_LEN
+                   for p, r in zip(tiny_prompts(), to_max))
+        for s in _check_lockstep(llm):
+            assert s["num_free_blocks"] == s["num_total_blocks"]
