@@ -354,6 +354,34 @@ def build_tiny_deepseek(folder, *, v3: bool = True, **overrides):
     return model
 
 
+def build_tiny_deepseek_mtp(folder):
+    """:func:`build_tiny_deepseek` (V3) with a predictable MTP layer (:func:`add_mtp_layer`)."""
+    build_tiny_deepseek(folder)
+    add_mtp_layer(folder, predictable=True)
+    return folder
+
+
+def greedy_in_process(folder, prompts: list[list[int]], params: SamplingParams = PARAMS,
+                      **options) -> tuple[list[GreedyResult], dict]:
+    """``prompts`` greedy on one rank of the model in ``folder`` in this process (no
+    engine-core process), engine ``options`` over :data:`OPTIONS`; (results, engine stats)."""
+    from atom.config import EngineConfig
+    from atom.engine.llm_engine import LLMEngine
+    from tests.utils import ours_greedy
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), **{**OPTIONS, **options},
+                                                skip_tokenizer_init=True))
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        return ours_greedy([finished[str(i)] for i in range(len(prompts))]), engine.get_stats()
+    finally:
+        engine.shutdown()
+
+
 def add_mtp_layer(folder, *, predictable: bool = False) -> dict[str, torch.Tensor]:
     """Write one multi-token-prediction layer into the tiny DeepSeek-V3 in ``folder``
     (:func:`build_tiny_deepseek`; transformers does not model MTP) at the checkpoint's names,

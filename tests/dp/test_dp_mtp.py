@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from atom import LLM, SamplingParams
-from tests.moe_utils import (OPTIONS, PARAMS, add_mtp_layer, build_tiny_deepseek,
+from tests.moe_utils import (OPTIONS, PARAMS, build_tiny_deepseek_mtp, greedy_in_process,
                              idle_rank_stats, tiny_prompts)
 from tests.utils import check_greedy_close, ours_greedy
 
@@ -28,19 +28,16 @@ ENGINE = dict(OPTIONS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32,
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("deepseek-v3-mtp")
-    build_tiny_deepseek(path)
-    add_mtp_layer(path, predictable=True)
-    return path
+    return build_tiny_deepseek_mtp(tmp_path_factory.mktemp("deepseek-v3-mtp"))
 
 
 @pytest.fixture(scope="module")
 def references(folder):
     """Spec-off greedy on one rank: (short runs, runs to max_model_len)."""
-    requests = [{"prompt_token_ids": p} for p in tiny_prompts()]
-    with LLM(str(folder), **ENGINE) as llm:
-        return (ours_greedy(llm.generate(requests, PARAMS)),
-                ours_greedy(llm.generate(requests, LONG)))
+    options = {k: v for k, v in ENGINE.items() if k not in ("skip_tokenizer_init",
+                                                             "dp_group_timeout_s")}
+    return tuple(greedy_in_process(folder, tiny_prompts(), params, **options)[0]
+                 for params in (PARAMS, LONG))
 
 
 def _check_lockstep(llm: LLM) -> list[dict]:

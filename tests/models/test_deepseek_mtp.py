@@ -21,38 +21,24 @@ import pytest
 import torch
 
 from atom.config import EngineConfig
-from atom.engine.llm_engine import LLMEngine
 from atom.engine.preflight import check_model_files
+from atom.layers.moe import moe_layers
 from atom.worker.model_loader import load_model_weights
 from atom.worker.model_runner import ModelRunner
 from atom.worker.mtp_proposer import MTPProposer
 from tests.models.runner_parity import BLOCK_SIZE, NUM_KV_BLOCKS, BlockPool, random_tokens, seq_of
-from tests.moe_utils import OPTIONS, PARAMS, add_mtp_layer, build_tiny_deepseek, tiny_prompts
-from tests.utils import check_greedy_close, ours_greedy
+from tests.moe_utils import (add_mtp_layer, build_tiny_deepseek, build_tiny_deepseek_mtp,
+                             greedy_in_process, tiny_prompts)
+from tests.utils import check_greedy_close
 
 
 @pytest.fixture(scope="module")
 def mtp_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepseek-v3-mtp")
-    build_tiny_deepseek(folder)
-    add_mtp_layer(folder, predictable=True)
-    return folder
+    return build_tiny_deepseek_mtp(tmp_path_factory.mktemp("deepseek-v3-mtp"))
 
 
 def _greedy(folder, prompts, **options):
-    """``prompts`` greedy in an in-process engine; (results, engine stats)."""
-    engine = LLMEngine(EngineConfig.from_kwargs(
-        model=str(folder), **{**OPTIONS, "max_model_len": 256, **options},
-        skip_tokenizer_init=True))
-    try:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, PARAMS)
-        finished = {}
-        while engine.has_unfinished_requests():
-            finished.update((out.request_id, out) for out in engine.step() if out.finished)
-        return ours_greedy([finished[str(i)] for i in range(len(prompts))]), engine.get_stats()
-    finally:
-        engine.shutdown()
+    return greedy_in_process(folder, prompts, max_model_len=256, **options)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +87,7 @@ def test_mtp_draft_logits_match_the_formula(tmp_path):
     runner = ModelRunner(config, weights, dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS,
                          block_size=BLOCK_SIZE, max_model_len=256, num_mtp_layers=1)
     assert len(runner.kv_caches) == 4 and runner.mtp.layers[0].self_attn.kv_cache is runner.kv_caches[3]
+    assert runner.mtp.layers[0].mlp in moe_layers(runner.model)  # expert parallelism reaches it
     proposer = MTPProposer(runner)
     prompt = random_tokens(21, 512, seed=4)
     seq, pool = seq_of(prompt), BlockPool()
