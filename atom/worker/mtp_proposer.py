@@ -73,21 +73,30 @@ class MTPProposer(Proposer):
         self._pending.pop(seq_id, None)
 
     def num_catch_up_tokens(self, seq: Sequence) -> int:
-        """Tokens of ``seq``'s first draft forward (its positions not run by the MTP yet)."""
-        start, _ = self._pending[seq.seq_id]
-        return seq.num_computed_tokens - start
+        """Tokens of ``seq``'s first draft forward (its positions not run by the MTP yet); 0
+        when it cannot draft (:meth:`_has_rows`)."""
+        return seq.num_computed_tokens - self._pending[seq.seq_id][0] if self._has_rows(seq) else 0
+
+    def _has_rows(self, seq: Sequence) -> bool:
+        """Whether the rows up to ``seq``'s last computed position are here. Not for a
+        sequence whose KV came from elsewhere (a P/D consumer's pulled prompt): it gets no
+        drafts this step, and its rows build up from its next forward on."""
+        kept = self._pending.get(seq.seq_id)
+        return kept is not None and kept[0] < seq.num_computed_tokens <= kept[0] + kept[1].shape[0]
 
     # ----- drafting -----
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_num_tokens: list[int], *,
                 num_steps: int | None = None) -> list[list[int]]:
-        """Exactly ``max_num_tokens[i]`` drafts for ``seqs[i]`` (their slots reserved up to
-        position ``len(token_ids) - 1 + max_num_tokens[i]``); ``num_steps``: MTP forwards to run
-        (default: the largest ``max_num_tokens``), the extra ones on zero tokens (a DP rank
-        keeping its collectives in step with the others')."""
+        """``max_num_tokens[i]`` drafts for ``seqs[i]`` (their slots reserved up to position
+        ``len(token_ids) - 1 + max_num_tokens[i]``), none for a sequence without its hidden
+        rows (:meth:`_has_rows`); ``num_steps``: MTP forwards to run (default: the largest
+        ``max_num_tokens``), the extra ones on zero tokens (a DP rank keeping its collectives
+        in step with the others')."""
         drafts: list[list[int]] = [[] for _ in seqs]
         steps = max(max_num_tokens, default=0) if num_steps is None else num_steps
+        max_num_tokens = [m if self._has_rows(seq) else 0 for seq, m in zip(seqs, max_num_tokens)]
         hidden: dict[int, torch.Tensor] = {}  # i -> the previous forward's last row [1, H]
         for j in range(steps):
             active = [i for i, m in enumerate(max_num_tokens) if m > j]
@@ -108,7 +117,6 @@ class MTPProposer(Proposer):
         its rows are consumed (the next ones start at its computed count)."""
         start, rows = self._pending[seq.seq_id]
         end = seq.num_computed_tokens
-        assert start < end <= start + rows.shape[0], (seq.seq_id, start, end, rows.shape)
         self._pending[seq.seq_id] = (end, rows[end - start:])
         return seq.token_ids[start + 1:end + 1], rows[:end - start], start, seq.block_table
 

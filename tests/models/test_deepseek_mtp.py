@@ -141,3 +141,17 @@ def test_mtp_without_mtp_layers_is_a_one_line_error(mtp_folder, tmp_path):
     assert "\n" not in str(raised.value)
     with pytest.raises(ValueError, match="the embedded model has no MTP layers"):
         check_model_files(EngineConfig.from_kwargs(speculative_method="mtp"))
+
+
+def test_mtp_through_preemption_and_prefix_hits(mtp_folder, spec_off):
+    """A pool too small for every sequence (recomputes after preemption) and every prompt
+    twice (the second ones hit the prefix cache): the hidden rows start over where the
+    target's forward does, and the output is still spec-off's."""
+    reference, _ = spec_off
+    prompts = tiny_prompts() * 2
+    ours, stats = _greedy(mtp_folder, prompts, speculative_method="mtp",
+                          num_speculative_tokens=3, num_kv_blocks=12, block_size=8,
+                          max_num_batched_tokens=16)
+    check_greedy_close(ours, reference * 2, name="mtp k=3, preemption and prefix hits")
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
+    assert stats["spec_num_accepted_tokens"] > 0
