@@ -64,6 +64,11 @@ def test_mtp_on_two_ep_ranks_with_tbo(folder, references, k):
         check_greedy_close(spread, short, name=f"mtp k={k}, EP + TBO, both ranks")
         stats = _check_lockstep(llm)
         assert stats[1]["spec_num_verifies"] > 0
+        merged = llm.get_stats()  # the group's acceptance, from the summed counters
+        assert merged["spec_mean_acceptance_length"] == (
+            1 + merged["spec_num_accepted_tokens"] / merged["spec_num_verifies"])
+        assert merged["spec_num_accepted_tokens_pos_0"] == sum(
+            s["spec_num_accepted_tokens_pos_0"] for s in stats)
         assert stats[0]["num_tbo_steps"] > 0  # prefill-only steps still split
         to_max = ours_greedy(llm.generate(requests, LONG))
         check_greedy_close(to_max, long, name=f"mtp k={k}, EP + TBO, to max_model_len")

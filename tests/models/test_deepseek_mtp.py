@@ -119,6 +119,11 @@ def test_mtp_greedy_equals_spec_off(mtp_folder, spec_off, k):
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     if k == 3:  # some verify accepted several drafts (a multi-row catch-up followed)
         assert stats["spec_accepted_length_2"] + stats["spec_accepted_length_3"] > 0
+    per_position = [stats[f"spec_num_accepted_tokens_pos_{j}"] for j in range(k)]
+    assert sum(per_position) == stats["spec_num_accepted_tokens"]
+    assert per_position == sorted(per_position, reverse=True)  # draft j needs drafts < j
+    assert stats["spec_mean_acceptance_length"] == (
+        1 + stats["spec_num_accepted_tokens"] / stats["spec_num_verifies"])
     latent = 4 * 40  # bytes per token and layer: fp32 x (kv_lora_rank 32 + rope 8)
     assert stats["kv_cache_bytes_per_token"] == 4 * latent
     assert off_stats["kv_cache_bytes_per_token"] == 3 * latent
