@@ -8,7 +8,8 @@ vLLM v1's split of a step into three parts (docs/ARCHITECTURE.md, "One rank")::
 
 :class:`Worker` owns the model and its KV cache tensors (through the
 :class:`~atom.worker.model_runner.ModelRunner`), a separate draft model's runner, the sampler
-and the rejection sampler, the early-exit draft proposer and the P/D connector's worker side.
+and the rejection sampler, the model-based draft proposer (the early-exit draft, or DeepSeek's
+MTP layers, which it hands every step's hidden states) and the P/D connector's worker side.
 It reads sequences and never mutates them; what it found goes back in a torch-free
 :class:`~atom.core.model_runner_output.ModelRunnerOutput`. The engine core
 (:class:`atom.engine.core.EngineCore`) holds it as its worker; the simulator gives that same core
