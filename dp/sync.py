@@ -321,7 +321,7 @@ class GatheredBatchShape(_Gathered):
 
     @property
     def max_num_draft_seqs(self) -> int:
-        """The largest draft forward (tokens: one per drafted sequence) over the ranks."""
+        """The largest draft forward over the ranks, in tokens (:attr:`BatchShape.num_draft_seqs`)."""
         return int(self.num_draft_seqs.max())
 
     @property
