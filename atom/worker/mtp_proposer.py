@@ -25,7 +25,10 @@ hidden states once the tokens are accepted; rejected positions are never read.
 Limits, none of which changes an output token (the verifier decides): the MTP KV of prefix-cache
 hits is whatever the blocks' first owner wrote (nothing when it never drafted), and that of a
 full block's last position depends on the token after the block, which sharing sequences may not
-agree on.
+agree on; with several MTP layers, layer ``i > 0`` only ever sees the draft positions (forward 0,
+the catch-up, runs layer 0). Costs: a prompt's hidden rows are held until its first draft, which
+runs the MTP layer over the whole prompt; under DP + EP every draft forward of a step pads its
+MoE collectives to that step's largest draft forward (the catch-up's), one size for all ``k``.
 """
 
 from __future__ import annotations
