@@ -23,7 +23,7 @@ DP_LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "cache_aware")
 PRIVATE_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:0"
 PREFILL_POLICIES = ("delayer", "coalescer", "none")
 ON_RANK_FAILURE = ("shrink", "replace", "stop")
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 KV_ROLES = ("producer", "consumer")
 MIN_ENGINE_HANG_TIMEOUT_S = 2.0  # heartbeats come every timeout / 5 s, at most 1 s apart
 # options that were replaced: the old name fails with a message that says what to use
@@ -223,8 +223,10 @@ class EngineConfig:
     """Speculative decoding: ngram (prompt lookup: propose what followed the last n tokens
     earlier in the sequence), draft (a draft model: draft_model with its own KV cache, or
     without it an early-exit draft of the target: its first draft_num_layers layers, final
-    norm and LM head, on the target's own KV cache) or None = off. Outputs keep the target's
-    distribution at any temperature (rejection sampling)."""
+    norm and LM head, on the target's own KV cache), mtp (the checkpoint's own
+    multi-token-prediction layers, DeepSeek-V2/V3 with num_nextn_predict_layers >= 1, reused
+    num_speculative_tokens times; their KV in the same paged pool as extra layers) or None =
+    off. Outputs keep the target's distribution at any temperature (rejection sampling)."""
     num_speculative_tokens: int = 3
     """Speculative decoding: most draft tokens a decode verifies per step (k; a step emits up
     to k + 1 tokens per sequence)."""
@@ -320,7 +322,7 @@ class EngineConfig:
                             or method not in (None, self.speculative_method)):
                 raise ValueError(f"{' and '.join(changed)} "
                                  f"{'is' if len(changed) == 1 else 'are'} for speculative "
-                                 f"decoding: use --speculative-method {method or 'ngram|draft'} "
+                                 f"decoding: use --speculative-method {method or 'ngram|draft|mtp'} "
                                  f"(speculative_method), or drop {'it' if len(changed) == 1 else 'them'}")
         if self.speculative_method is None:
             return

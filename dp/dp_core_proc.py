@@ -366,9 +366,10 @@ class DPEngineCoreProc(EngineCoreProc):
         from atom.dp.sync import exchange_batch_shape
 
         core = self.core
-        shapes = exchange_batch_shape(batch_shape(sched, tbo_eligible=core.tbo_eligible(sched)),
+        shapes = exchange_batch_shape(batch_shape(sched, tbo_eligible=core.tbo_eligible(sched),
+                                                  num_draft_tokens=core.num_draft_tokens(sched)),
                                       self.groups.device)
-        if shapes.max_num_draft_steps:  # the early-exit draft's forwards, the same on every rank
+        if shapes.max_num_draft_steps:  # a model draft's forwards, as many on every rank
             if self.expert_parallel is not None:
                 self.expert_parallel.begin_step(shapes.max_num_draft_seqs)
             core.run_drafts(sched, num_steps=shapes.max_num_draft_steps)

@@ -266,8 +266,10 @@ class BatchShape(_Row):
         num_decode_seqs: sequences in the batch that decode (one token each, plus drafts).
         num_spec_tokens: speculative draft tokens the batch's verify scores (included in
             ``num_tokens``: the forward runs them, and padded EP collectives size to them).
-        num_draft_seqs: sequences a model-based proposer still drafts for after the exchange
-            (one token each per draft forward).
+        num_draft_seqs: tokens of this rank's largest draft forward after the exchange: one
+            per sequence a model-based proposer drafts for (the MTP draft's first forward: each
+            sequence's positions not run by its MTP layer yet); the draft forwards' MoE
+            collectives are sized to the largest over the ranks.
         num_draft_steps: draft forwards this rank needs (its longest reservation); every rank
             runs the largest over the ranks, on zero tokens when it has none.
     """
@@ -319,7 +321,7 @@ class GatheredBatchShape(_Gathered):
 
     @property
     def max_num_draft_seqs(self) -> int:
-        """The largest draft forward (tokens: one per drafted sequence) over the ranks."""
+        """The largest draft forward over the ranks, in tokens (:attr:`BatchShape.num_draft_seqs`)."""
         return int(self.num_draft_seqs.max())
 
     @property

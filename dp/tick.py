@@ -69,13 +69,17 @@ def tick_action(gathered: GatheredControl) -> TickAction:
     return TickAction.STEP
 
 
-def batch_shape(sched: SchedulerOutput, *, tbo_eligible: bool) -> BatchShape:
+def batch_shape(sched: SchedulerOutput, *, tbo_eligible: bool,
+                num_draft_tokens: int | None = None) -> BatchShape:
     """The batch shape a rank exchanges for its scheduled batch ``sched`` (an empty batch
     is a dummy batch).
 
     Args:
         sched: this tick's ``Scheduler.schedule()`` result.
         tbo_eligible: whether this rank could split the batch (``EngineCore.tbo_eligible``).
+        num_draft_tokens: tokens of this rank's largest draft forward
+            (``EngineCore.num_draft_tokens``: the MTP draft's first forward catches up on
+            several positions per sequence); None = one per drafting sequence.
     """
     num_tokens = num_prefill_seqs = num_prefill_tokens = 0
     for seq, n in sched.scheduled:  # one pass (SchedulerOutput's properties take one each)
@@ -91,6 +95,8 @@ def batch_shape(sched: SchedulerOutput, *, tbo_eligible: bool) -> BatchShape:
         pending = [sched.spec_budget[seq.seq_id] for seq, _ in sched.scheduled
                    if seq.seq_id in sched.spec_budget and not seq.spec_token_ids]
         num_draft_seqs, num_draft_steps = len(pending), max(pending, default=0)
+        if num_draft_tokens is not None and pending:
+            num_draft_seqs = max(num_draft_seqs, num_draft_tokens)
     return BatchShape(num_tokens=num_tokens + num_spec_tokens, num_seqs=num_seqs,
                       is_dummy=num_seqs == 0, tbo_eligible=tbo_eligible,
                       has_prefill=num_prefill_seqs > 0, num_prefill_tokens=num_prefill_tokens,

@@ -352,3 +352,74 @@ def build_tiny_deepseek(folder, *, v3: bool = True, **overrides):
                 buffer.copy_(torch.rand(buffer.shape, generator=gen) * 0.3)
     model.save_pretrained(folder)
     return model
+
+
+def build_tiny_deepseek_mtp(folder):
+    """:func:`build_tiny_deepseek` (V3) with a predictable MTP layer (:func:`add_mtp_layer`)."""
+    build_tiny_deepseek(folder)
+    add_mtp_layer(folder, predictable=True)
+    return folder
+
+
+def greedy_in_process(folder, prompts: list[list[int]], params: SamplingParams = PARAMS,
+                      **options) -> tuple[list[GreedyResult], dict]:
+    """``prompts`` greedy on one rank of the model in ``folder`` in this process (no
+    engine-core process), engine ``options`` over :data:`OPTIONS`; (results, engine stats)."""
+    from atom.config import EngineConfig
+    from atom.engine.llm_engine import LLMEngine
+    from tests.utils import ours_greedy
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), **{**OPTIONS, **options},
+                                                skip_tokenizer_init=True))
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        return ours_greedy([finished[str(i)] for i in range(len(prompts))]), engine.get_stats()
+    finally:
+        engine.shutdown()
+
+
+def add_mtp_layer(folder, *, predictable: bool = False) -> dict[str, torch.Tensor]:
+    """Write one multi-token-prediction layer into the tiny DeepSeek-V3 in ``folder``
+    (:func:`build_tiny_deepseek`; transformers does not model MTP) at the checkpoint's names,
+    ``model.layers.3.*`` (after the 3 target layers): ``enorm``, ``hnorm``, ``eh_proj``, a
+    decoder block (MLA attention + MoE: layer 2's tensors, perturbed), ``shared_head.norm``; no
+    ``embed_tokens`` / ``shared_head.head`` (the target's are shared). Sets
+    ``num_nextn_predict_layers: 1``. Returns the MTP tensors.
+
+    Random MTP weights accept almost no draft. ``predictable`` makes the drafts often right:
+    every layer's residual branches (``o_proj``, ``down_proj``) shrink, so the target's greedy
+    token is mostly a function of the last token (its embedding through the final norm and the
+    head), and the MTP layer passes the next token's embedding through (``eh_proj = [I, 0]``,
+    ``shared_head.norm`` = the final norm): draft ``t_{p+2}`` from ``t_{p+1}`` the same way.
+    """
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    hidden = DEEPSEEK_V3["hidden_size"]
+    if predictable:
+        for name in tensors:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = tensors[name] * 0.01
+    mtp = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model.layers.2."):
+            noise = 0.05 * torch.randn(tensor.shape, generator=gen) * tensor.abs().mean()
+            mtp[name.replace("model.layers.2.", "model.layers.3.")] = tensor + noise
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.3.{norm}.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    mtp["model.layers.3.eh_proj.weight"] = 0.2 * torch.randn(hidden, 2 * hidden, generator=gen)
+    if predictable:
+        mtp["model.layers.3.enorm.weight"] = torch.ones(hidden)
+        mtp["model.layers.3.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        mtp["model.layers.3.eh_proj.weight"] = torch.cat(
+            [torch.eye(hidden), 0.01 * torch.randn(hidden, hidden, generator=gen)], dim=1)
+    save_file({**tensors, **mtp}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return mtp

@@ -222,6 +222,14 @@ class EngineCore:
                                             num_steps=num_steps)
         self.scheduler.set_spec_tokens(sched, seqs, drafts)
 
+    def num_draft_tokens(self, sched: SchedulerOutput) -> int | None:
+        """Tokens of the largest draft forward :meth:`run_drafts` will run for ``sched`` (the
+        DP batch shape carries it), or None without a model-based draft."""
+        if not self.worker.proposes_drafts:
+            return None
+        return self.worker.num_draft_tokens(
+            [seq for seq, _ in sched.scheduled if seq.seq_id in sched.spec_budget])
+
     def execute(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                 ) -> list[SeqOutput]:
         """The rest of :meth:`step`: the worker runs ``sched`` (two micro-batches with

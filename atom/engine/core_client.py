@@ -117,6 +117,16 @@ def merge_rank_results(results: list[dict]) -> dict:
     if len(results) > 1 and "prefix_cache_hit_rate" in merged:
         queries = merged["prefix_cache_queries"]
         merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / queries if queries else 0.0
+    if len(results) > 1 and "spec_num_verifies" in merged:  # ratios of the summed counts
+        from atom.core.spec_stats import SpecStats
+
+        totals = SpecStats(1, num_verifies=merged["spec_num_verifies"],
+                           num_draft_tokens=merged["spec_num_draft_tokens"],
+                           num_accepted_tokens=merged["spec_num_accepted_tokens"],
+                           num_emitted_tokens=merged["spec_num_emitted_tokens"])
+        merged["spec_acceptance_rate"] = totals.acceptance_rate
+        merged["spec_mean_tokens_per_forward"] = totals.mean_tokens_per_forward
+        merged["spec_mean_acceptance_length"] = totals.mean_acceptance_length
     return merged
 
 

@@ -49,13 +49,15 @@ def check_model_files(config: EngineConfig) -> None:
     gpt-oss's MXFP4), its ``*.safetensors`` headers are readable and hold float tensors only
     (and that method's uint8 tensors); the folder has tokenizer files (unless
     ``skip_tokenizer_init``); the expert options fit the model's experts (a GGUF file and the
-    embedded model are dense Llamas).
+    embedded model are dense Llamas); ``--speculative-method mtp`` has MTP layers to run
+    (``num_nextn_predict_layers`` >= 1 in ``config.json``).
 
     Raises:
         FileNotFoundError: the path does not exist, or a folder has no ``*.safetensors``.
         ValueError: anything else above; the message names the file and what to change.
     """
     _check_expert_options(config)
+    _check_mtp(config)
     if config.model is not None:
         path = _check_weights(config.model)
         if path.is_dir() and not config.skip_tokenizer_init:
@@ -81,6 +83,24 @@ def _check_expert_options(config: EngineConfig) -> None:
     elif (path / "config.json").is_file():
         hf_config = _read_config_json(path / "config.json")
         config.check_expert_layout(num_routed_experts(hf_config), model=str(path))
+
+
+def _check_mtp(config: EngineConfig) -> None:
+    """``--speculative-method mtp`` on a model whose ``config.json`` names MTP layers (one
+    line naming what is missing). The worker checks it again for an in-process engine."""
+    if config.speculative_method != "mtp":
+        return
+    path = None if config.model is None else pathlib.Path(config.model).expanduser()
+    if path is None or not (path / "config.json").is_file():
+        raise ValueError(f"--speculative-method mtp needs a Hugging Face DeepSeek-V2/V3 folder "
+                         f"with num_nextn_predict_layers >= 1 in config.json; "
+                         f"{'the embedded model' if path is None else path} has no MTP layers: "
+                         f"use --speculative-method ngram or draft")
+    num = _read_config_json(path / "config.json").get("num_nextn_predict_layers") or 0
+    if num < 1:
+        raise ValueError(f"--speculative-method mtp needs multi-token-prediction layers: "
+                         f"num_nextn_predict_layers is {num} in {path / 'config.json'}; use a "
+                         f"checkpoint with MTP layers, or --speculative-method ngram or draft")
 
 
 def _check_weights(model: str) -> pathlib.Path:

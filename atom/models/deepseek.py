@@ -20,7 +20,9 @@ The shared pre-norm decoder (:class:`atom.layers.decoder.DecoderForCausalLM`) wi
   DeepSeek-V2's softmax ``greedy`` / ``group_limited_greedy``.
 
 The multi-token-prediction layers of a checkpoint (``num_nextn_predict_layers``: the layers
-numbered from ``num_hidden_layers`` on) are read past and ignored. Not supported (refused at
+numbered from ``num_hidden_layers`` on) are read past here; with ``--speculative-method mtp``
+:meth:`DeepseekV3ForCausalLM.load_mtp` builds them as the drafter
+(:mod:`atom.models.deepseek_mtp`). Not supported (refused at
 load): FP8 block-scaled checkpoints (``quantization_config``), ``attention_bias``,
 ``moe_layer_freq`` other than 1, rope scaling other than YaRN.
 """
@@ -61,6 +63,8 @@ class DeepseekConfig:
         n_group, topk_group: expert groups, and how many of them a token may use.
         norm_topk_prob: renormalize the k gates to sum to 1 (before the scaling).
         routed_scaling_factor: the routed experts' output multiplier.
+        num_nextn_predict_layers: the checkpoint's multi-token-prediction layers (numbered
+            from ``num_hidden_layers`` on; :mod:`atom.models.deepseek_mtp`), 0 = none.
     """
 
     q_lora_rank: int | None
@@ -80,6 +84,7 @@ class DeepseekConfig:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
+    num_nextn_predict_layers: int = 0
 
     def softmax_scale(self) -> float:
         """``(Dn + Dr) ** -0.5``, times ``mscale ** 2`` with ``mscale = 0.1 mscale_all_dim
@@ -143,7 +148,8 @@ def parse_deepseek_config(hf, *, v3: bool) -> DeepseekConfig:
         first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
         topk_method=topk_method, n_group=n_group, topk_group=int(hf.get("topk_group") or 1),
         norm_topk_prob=bool(hf.get("norm_topk_prob", v3)),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0))
 
 
 # ----- routing -----
@@ -337,35 +343,52 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
             layer.self_attn.prepare_absorbed()
         return model
 
+    def load_mtp(self, weights, *, num_layers: int, dtype: torch.dtype,
+                 expert_shard: ExpertShard | None = None) -> nn.Module:
+        """The checkpoint's first ``num_layers`` multi-token-prediction layers beside this
+        model (:meth:`atom.models.deepseek_mtp.DeepseekMTP.from_checkpoint`)."""
+        from atom.models.deepseek_mtp import DeepseekMTP
+
+        return DeepseekMTP.from_checkpoint(self, weights, num_layers=num_layers, dtype=dtype,
+                                           expert_shard=expert_shard)
+
     def checkpoint_weights(self, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
         """(parameter name, tensor) for every checkpoint tensor: the attention's rotary rows
         de-interleaved (:func:`~atom.layers.mla.deinterleave_rows`) when the checkpoint
         interleaves them, gate/up fused, each MoE layer's local experts (either layout), its
         correction bias and shared experts; the multi-token-prediction layers skipped."""
-        f = self.config.family
         num_layers = self.config.num_hidden_layers
         for name in reader.unread():  # MTP layers: model.layers.{num_layers + i}.*
             parts = name.split(".")
             if name.startswith("model.layers.") and int(parts[2]) >= num_layers:
                 reader.skip(name)
         for i, layer in enumerate(self.layers):
-            hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            yield from self._attention_weights(reader, hf + "self_attn.", ours + "self_attn.", f)
-            mlp = layer.mlp
-            if isinstance(mlp, GatedMLP):
-                yield ours + "mlp.gate_up_proj.weight", concat(
-                    reader, (f"{hf}mlp.{n}_proj.weight" for n in ("gate", "up")))
-                continue
-            for name, tensor in self.read_moe(reader, hf, mlp).items():
-                yield ours + "mlp." + name, tensor
-            if mlp.e_score_correction_bias is not None:
-                yield (ours + "mlp.e_score_correction_bias",
-                       reader.take(hf + "mlp.gate.e_score_correction_bias"))
-            if mlp.shared_experts is not None:
-                shared = hf + "mlp.shared_experts."
-                yield ours + "mlp.shared_experts.gate_up_proj.weight", concat(
-                    reader, (f"{shared}{n}_proj.weight" for n in ("gate", "up")))
+            yield from self.layer_weights(reader, layer, hf=f"model.layers.{i}.",
+                                          ours=f"layers.{i}.")
         yield from passthrough(reader)
+
+    def layer_weights(self, reader: CheckpointReader, layer: nn.Module, *, hf: str, ours: str
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One decoder layer's tensors that need more than a rename (``hf``: its checkpoint
+        prefix, ``model.layers.N.``; ``ours``: its parameter prefix): the attention's rotary
+        rows, gate/up fused, the MoE's local experts, correction bias and shared experts. An
+        MTP layer's block reads through here too (:mod:`atom.models.deepseek_mtp`)."""
+        f = self.config.family
+        yield from self._attention_weights(reader, hf + "self_attn.", ours + "self_attn.", f)
+        mlp = layer.mlp
+        if isinstance(mlp, GatedMLP):
+            yield ours + "mlp.gate_up_proj.weight", concat(
+                reader, (f"{hf}mlp.{n}_proj.weight" for n in ("gate", "up")))
+            return
+        for name, tensor in self.read_moe(reader, hf, mlp).items():
+            yield ours + "mlp." + name, tensor
+        if mlp.e_score_correction_bias is not None:
+            yield (ours + "mlp.e_score_correction_bias",
+                   reader.take(hf + "mlp.gate.e_score_correction_bias"))
+        if mlp.shared_experts is not None:
+            shared = hf + "mlp.shared_experts."
+            yield ours + "mlp.shared_experts.gate_up_proj.weight", concat(
+                reader, (f"{shared}{n}_proj.weight" for n in ("gate", "up")))
 
     def _attention_weights(self, reader: CheckpointReader, hf: str, ours: str,
                            f: DeepseekConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -49,12 +49,17 @@ class ModelOutput:
             rows in ``logits``: ``1 + len(seq.spec_token_ids)`` (the verify positions of
             speculative decoding: row ``j`` predicts the token after draft ``j``), the rows of
             each sequence consecutive, in ``sampled_seq_ids`` order.
+        hidden_states: with MTP layers loaded (the MTP drafter reads them), ``seq_id ->
+            (first position, [n, hidden])``: the target's last hidden states (after its final
+            norm) at the ``n`` positions of every scheduled sequence computed this step, drafts
+            included; None otherwise.
     """
 
     logits: torch.Tensor
     sampled_seq_ids: list[int]
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     num_rows: list[int] | None = None
+    hidden_states: dict[int, tuple[int, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -68,6 +73,8 @@ class _Batch:
     sampled_seq_ids: list[int]
     prompt_rows: dict[int, tuple[int, int]]
     num_rows: list[int] | None = None
+    # seq_id -> (first row, rows, first position) of every entry
+    seq_rows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 #: Byte alignment of a CPU KV cache's first element: a 64-byte cache line, so a block's rows
@@ -110,6 +117,9 @@ class ModelRunner:
             :func:`atom.worker.model_loader.load_gguf_blocks`) for small steps, or None.
         expert_shard: under expert parallelism, read and hold only this rank's experts of every
             MoE layer (:class:`~atom.layers.moe.ExpertShard`); None = all.
+        num_mtp_layers: load this many of the checkpoint's multi-token-prediction layers as
+            ``model.mtp`` (``--speculative-method mtp``, :mod:`atom.models.deepseek_mtp`), their
+            latent KV caches extra layers of the pool; 0 = none (they are skipped at load).
     Raises:
         ValueError: unsupported architecture, bad weights, or non-positive sizes.
     """
@@ -118,7 +128,7 @@ class ModelRunner:
         self, arch_config: ModelArchConfig, state_dict: Mapping[str, torch.Tensor], *,
         dtype: torch.dtype, num_kv_blocks: int, block_size: int, max_model_len: int,
         moe_split_experts: int | None = None, quantized_weights: dict | None = None,
-        expert_shard: ExpertShard | None = None,
+        expert_shard: ExpertShard | None = None, num_mtp_layers: int = 0,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_model_len", max_model_len)):
@@ -135,6 +145,10 @@ class ModelRunner:
         self.model = model_cls.from_state_dict(
             arch_config, weights, dtype=dtype, max_positions=max_model_len, device=self.device,
             expert_shard=expert_shard)
+        self.mtp = None
+        if num_mtp_layers:  # a submodule: packed below, its MoE sharded by expert parallelism
+            self.mtp = self.model.mtp = self.model.load_mtp(
+                weights, num_layers=num_mtp_layers, dtype=dtype, expert_shard=expert_shard)
         del weights
         if quantized_weights is not None and self.device.type == "cpu":
             from atom.kernels import cpu_ops
@@ -159,8 +173,10 @@ class ModelRunner:
         # context), and masked garbage that happens to be NaN would still poison softmax @ V.
         # Hybrid KV cache groups (atom.kv_cache_spec): layer j of every group shares tensor j
         # (the groups' block ids never overlap), so kv_caches lists one tensor per layer with
-        # the same object at each layer of a slot.
-        self.kv_cache_specs = specs = self.kv_cache_specs_of(arch_config)
+        # the same object at each layer of a slot. MTP layers (speculative_method mtp) are
+        # extra layers of the pool, after the target's.
+        self.kv_cache_specs = specs = self.kv_cache_specs_of(arch_config,
+                                                             num_mtp_layers=num_mtp_layers)
         self.kv_cache_groups = kv_cache_groups(specs)
         slots = kv_cache_slots(specs)
         tensors: dict[int, torch.Tensor] = {}
@@ -173,7 +189,11 @@ class ModelRunner:
         for g, group in enumerate(self.kv_cache_groups):
             for layer in group.layer_ids:
                 layer_groups[layer] = g
-        self.model.bind_kv_caches(self.kv_caches, layer_groups)
+        num_target_layers = len(self.kv_caches) - num_mtp_layers
+        self.model.bind_kv_caches(self.kv_caches[:num_target_layers],
+                                  layer_groups[:num_target_layers])
+        if self.mtp is not None:
+            self.mtp.bind_kv_caches(self.kv_caches[num_target_layers:])
         # a separate draft model (speculative decoding) that runs every step's forward too, on
         # its own KV cache with the same block ids (atom.engine.core._make_proposers)
         self.shadow_model = None
@@ -190,18 +210,22 @@ class ModelRunner:
                         arch_config, dtype=dtype, block_size=block_size) / 2**20)
 
     @staticmethod
-    def kv_cache_specs_of(arch_config: ModelArchConfig) -> list[KVCacheSpec]:
+    def kv_cache_specs_of(arch_config: ModelArchConfig, *, num_mtp_layers: int = 0
+                          ) -> list[KVCacheSpec]:
         """Each layer's KV cache geometry, as the architecture's model class says (from the
-        config alone, before any model is built)."""
-        return get_model_class(arch_config.architecture).kv_cache_specs(arch_config)
+        config alone, before any model is built), then ``num_mtp_layers`` MTP layers' (the
+        last layer's geometry: an MTP layer's attention is the target's)."""
+        specs = get_model_class(arch_config.architecture).kv_cache_specs(arch_config)
+        return specs + specs[-1:] * num_mtp_layers
 
     @staticmethod
     def kv_cache_bytes_per_block(
-        arch_config: ModelArchConfig, *, dtype: torch.dtype, block_size: int
+        arch_config: ModelArchConfig, *, dtype: torch.dtype, block_size: int,
+        num_mtp_layers: int = 0,
     ) -> int:
         """Bytes one KV block takes across all layers (:func:`atom.kv_cache_spec.kv_cache_bytes_per_block`)."""
         return kv_cache_bytes_per_block(
-            ModelRunner.kv_cache_specs_of(arch_config),
+            ModelRunner.kv_cache_specs_of(arch_config, num_mtp_layers=num_mtp_layers),
             itemsize=torch.empty((), dtype=dtype).element_size(), block_size=block_size)
 
     @torch.inference_mode()
@@ -253,7 +277,10 @@ class ModelRunner:
     def _outputs(self, parts: list[tuple[_Batch, torch.Tensor]]) -> ModelOutput:
         """Logits of the sampled rows (and prompt rows) of each (batch, hidden) part, in order."""
         logits, sampled, prompt_logits = [], [], {}
+        hidden_states = None if self.mtp is None else {}
         for batch, hidden in parts:
+            if hidden_states is not None:
+                _collect_hidden_states(hidden_states, batch, hidden)
             rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
             logits.append(self.model.compute_logits(hidden.index_select(0, rows)))
             sampled += batch.sampled_seq_ids
@@ -263,7 +290,8 @@ class ModelRunner:
                 prompt_logits[seq_id] = part if earlier is None else torch.cat([earlier, part])
         num_rows = parts[0][0].num_rows if len(parts) == 1 else None  # no drafts with TBO
         return ModelOutput(logits=logits[0] if len(logits) == 1 else torch.cat(logits),
-                           sampled_seq_ids=sampled, prompt_logits=prompt_logits, num_rows=num_rows)
+                           sampled_seq_ids=sampled, prompt_logits=prompt_logits, num_rows=num_rows,
+                           hidden_states=hidden_states)
 
     def _check_entry(self, seq: Sequence, num_new_tokens: int) -> None:
         end = seq.num_computed_tokens + num_new_tokens
@@ -312,6 +340,7 @@ class ModelRunner:
         group_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         last_row: dict[int, int] = {}
         prompt_rows: dict[int, tuple[int, int]] = {}
+        seq_rows: dict[int, tuple[int, int, int]] = {}
         for seq, skip, num_new_tokens in order:
             start = seq.num_computed_tokens + skip
             end = start + num_new_tokens
@@ -327,6 +356,7 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             context_lens.append(end)
             last_row[seq.seq_id] = offset + num_new_tokens - 1
+            seq_rows[seq.seq_id] = (offset, num_new_tokens, start)
             if seq.sampling_params.prompt_logprobs is not None:
                 prompt_end = min(end, seq.num_prompt_tokens - 1)
                 if prompt_end > start:
@@ -362,5 +392,16 @@ class ModelRunner:
         return _Batch(
             input_ids=as_tensor(input_ids), positions=as_tensor(positions), attn_metadata=meta,
             sample_rows=sample_rows, sampled_seq_ids=sampled, prompt_rows=prompt_rows,
-            num_rows=num_rows if spec else None,
+            num_rows=num_rows if spec else None, seq_rows=seq_rows,
         )
+
+
+def _collect_hidden_states(out: dict[int, tuple[int, torch.Tensor]], batch: _Batch,
+                           hidden: torch.Tensor) -> None:
+    """Add ``batch``'s rows of ``hidden`` to ``out`` (``seq_id -> (first position, rows)``); a
+    sequence split across two micro-batches continues where its first part ended."""
+    for seq_id, (row, num, position) in batch.seq_rows.items():
+        rows = hidden[row:row + num]
+        earlier = out.get(seq_id)
+        out[seq_id] = (position, rows) if earlier is None else (
+            earlier[0], torch.cat([earlier[1], rows]))

@@ -8,7 +8,8 @@ vLLM v1's split of a step into three parts (docs/ARCHITECTURE.md, "One rank")::
 
 :class:`Worker` owns the model and its KV cache tensors (through the
 :class:`~atom.worker.model_runner.ModelRunner`), a separate draft model's runner, the sampler
-and the rejection sampler, the early-exit draft proposer and the P/D connector's worker side.
+and the rejection sampler, the model-based draft proposer (the early-exit draft, or DeepSeek's
+MTP layers, which it hands every step's hidden states) and the P/D connector's worker side.
 It reads sequences and never mutates them; what it found goes back in a torch-free
 :class:`~atom.core.model_runner_output.ModelRunnerOutput`. The engine core
 (:class:`atom.engine.core.EngineCore`) holds it as its worker; the simulator gives that same core
@@ -70,8 +71,9 @@ class Worker:
         arch, weights = load_model_weights(config.model, dtype)
         blocks = load_gguf_blocks(config.model) if config.quantization == "gguf" else None
         max_model_len = config.resolved_max_model_len(arch.max_position_embeddings)
-        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(arch, dtype=dtype,
-                                                               block_size=config.block_size)
+        num_mtp_layers = _num_mtp_layers(config, arch)
+        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(
+            arch, dtype=dtype, block_size=config.block_size, num_mtp_layers=num_mtp_layers)
         draft = None if config.draft_model is None else _load_draft_model(
             config.draft_model, dtype, target=arch, max_model_len=max_model_len)
         if draft is not None:  # its cache has the target's blocks: the budget covers both
@@ -92,7 +94,8 @@ class Worker:
         self.runner = ModelRunner(arch, weights, dtype=dtype, num_kv_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=max_model_len,
                                   moe_split_experts=config.moe_split_experts,
-                                  quantized_weights=blocks, expert_shard=expert_shard)
+                                  quantized_weights=blocks, expert_shard=expert_shard,
+                                  num_mtp_layers=num_mtp_layers)
         del weights, blocks  # the model holds its own copies (or none: tiled GGUF linears)
         layers = moe_layers(self.runner.model)
         if config.enable_expert_parallel and not layers:
@@ -155,6 +158,8 @@ class Worker:
         start = time.perf_counter()
         for seq_id in sched.finished_seq_ids:
             self.sampler.release(seq_id)
+            if self.runner.mtp is not None:
+                self.draft_proposer.release(seq_id)
         meta = sched.kv_connector_metadata
         if meta is not None:
             self.start_kv_transfers(meta)
@@ -162,6 +167,8 @@ class Worker:
         if not sched.is_empty:
             model_out = self.runner.execute_model(sched.scheduled,
                                                   two_batch_overlap=two_batch_overlap)
+            if model_out.hidden_states is not None:  # the MTP draft's inputs
+                self.draft_proposer.record(model_out.hidden_states)
             output = self._sample(model_out, {seq.seq_id: seq for seq, _ in sched.scheduled},
                                   sched.grammar_bitmask)
         if self.kv_connector is not None:
@@ -213,6 +220,14 @@ class Worker:
         scheduler); ``num_steps``: draft forwards to run, the extra ones on zero tokens (the DP
         loop passes the largest over the ranks, so every rank issues the same collectives)."""
         return self.draft_proposer.propose(seqs, max_num_tokens, num_steps=num_steps)
+
+    def num_draft_tokens(self, seqs: list[Sequence]) -> int:
+        """Tokens of the largest draft forward :meth:`propose_drafts` runs for ``seqs`` (the DP
+        batch shape sizes the draft forwards' MoE collectives to the largest over the ranks):
+        one per sequence, or with MTP the first forward's catch-up positions."""
+        if self.runner.mtp is None:
+            return len(seqs)
+        return sum(self.draft_proposer.num_catch_up_tokens(seq) for seq in seqs)
 
     # ----- the P/D connector's worker side -----
 
@@ -270,10 +285,14 @@ def _prompt_logprobs(prompt_logits: dict[int, torch.Tensor], by_id: dict[int, Se
 
 def _make_draft_proposer(config: EngineConfig, runner: ModelRunner,
                          draft_runner: ModelRunner | None):
-    """The model-based proposer of ``speculative_method="draft"`` (the n-gram proposer runs in
-    the scheduler), or None. ``draft_runner``: the separate draft model's runner
-    (``draft_model``); it then runs every step's forward beside the target's
+    """The model-based proposer of ``speculative_method="draft"`` or ``"mtp"`` (the n-gram
+    proposer runs in the scheduler), or None. ``draft_runner``: the separate draft model's
+    runner (``draft_model``); it then runs every step's forward beside the target's
     (``ModelRunner.shadow_model``), so its own KV cache holds what the target's does."""
+    if config.speculative_method == "mtp":
+        from atom.worker.mtp_proposer import MTPProposer
+
+        return MTPProposer(runner)
     if config.speculative_method != "draft":
         return None
     from atom.worker.draft_proposer import EarlyExitProposer
@@ -283,6 +302,27 @@ def _make_draft_proposer(config: EngineConfig, runner: ModelRunner,
     runner.shadow_model = draft_runner.model
     return EarlyExitProposer(draft_runner, num_layers=config.draft_num_layers
                              or draft_runner.arch_config.num_hidden_layers)
+
+
+def _num_mtp_layers(config: EngineConfig, arch) -> int:
+    """MTP layers to load: 0 unless ``speculative_method="mtp"``, then every one the checkpoint
+    has (``num_nextn_predict_layers``; one is reused for every draft).
+
+    Raises:
+        ValueError: mtp asked of a model without MTP layers (one line, naming what is missing).
+    """
+    if config.speculative_method != "mtp":
+        return 0
+    num = getattr(arch.family, "num_nextn_predict_layers", 0)
+    if not num:
+        has_key = hasattr(arch.family, "num_nextn_predict_layers")
+        raise ValueError(
+            f"--speculative-method mtp needs multi-token-prediction layers: "
+            f"{'num_nextn_predict_layers is 0 in' if has_key else 'no MTP layers for'} "
+            f"{arch.architecture} in {config.model}'s config.json (DeepSeek-V2/V3 checkpoints "
+            f"with num_nextn_predict_layers >= 1 have them); use --speculative-method ngram or "
+            f"draft")
+    return num
 
 
 def _load_draft_model(path: str, dtype: torch.dtype, *, target, max_model_len: int):

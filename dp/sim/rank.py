@@ -91,6 +91,9 @@ class SimWorker:
     def propose_drafts(self, seqs, max_num_tokens, *, num_steps=None) -> list[list[int]]:
         raise NotImplementedError("the simulator has no draft model")
 
+    def num_draft_tokens(self, seqs) -> int:
+        raise NotImplementedError("the simulator has no draft model")
+
     def start_kv_transfers(self, meta: KVConnectorMetadata) -> None:
         pass
 

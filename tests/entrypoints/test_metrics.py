@@ -69,6 +69,15 @@ def test_speculative_decoding_stats_are_exported():
     assert out["atom:spec_decode_num_accepted_tokens_total"][0][1] == 3
     assert out["atom:spec_decode_acceptance_rate"][0][1] == 0.6
     assert out["atom:spec_decode_mean_tokens_per_forward"][0][1] == 2.5
+    per_pos = {labels["position"]: v
+               for labels, v in out["atom:spec_decode_num_accepted_tokens_per_pos_total"]}
+    assert per_pos == {"0": 1.0, "1": 1.0, "2": 1.0}
+    spec.record(num_drafts=3, num_accepted=1, num_emitted=2)
+    assert spec.accepted_per_position == [2, 1, 1]
+    assert spec.mean_acceptance_length == 1 + 4 / 3
+    out = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8, **spec.as_stats()}])
+    assert out["atom:spec_decode_mean_acceptance_length"][0][1] == 1 + 4 / 3
+    assert out["atom:spec_decode_num_drafts_total"][0][1] == 3
     no_spec = samples("none", [{"num_total_blocks": 8, "num_free_blocks": 8}])
     assert "atom:spec_decode_accepted_length_total" not in no_spec
 

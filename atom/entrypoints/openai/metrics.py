@@ -10,7 +10,9 @@ Two sources:
   batches the rank ran and the DP router's load (unfinished requests it charged to the rank)
   and decisions per reason (``atom.dp.router.REASONS``); with speculative decoding, its draft,
   accepted and emitted tokens, verifies, acceptance rate, tokens per forward and the
-  accepted-length distribution (``atom:spec_decode_accepted_length{num_accepted=...}``); with
+  accepted-length distribution (``atom:spec_decode_accepted_length{num_accepted=...}``), the
+  per-position acceptance (``atom:spec_decode_num_accepted_tokens_per_pos{position=...}``) and
+  the mean acceptance length; with
   EPLB, the durations of the rank's rebalances (``atom:eplb_rebalance_seconds``, a histogram);
 - the DP group's values, which every rank holds a copy of (the ticks and the cross-rank
   decisions are identical on every rank), once and without ``dp_rank`` (summing them over
@@ -65,6 +67,8 @@ _ENGINE_GAUGES = (
      "Speculative decoding: accepted / proposed draft tokens since start (0-1)."),
     ("atom:spec_decode_mean_tokens_per_forward", "spec_mean_tokens_per_forward",
      "Speculative decoding: tokens emitted per verify since start (1 .. k + 1)."),
+    ("atom:spec_decode_mean_acceptance_length", "spec_mean_acceptance_length",
+     "Speculative decoding: 1 + accepted drafts / verifies since start (vLLM's convention)."),
     # P/D (--kv-role; atom.worker.tcp_kv_connector)
     ("atom:kv_transfer_kept_blocks", "kv_kept_blocks",
      "Producer: KV blocks of finished prefills kept until a consumer pulls them."),
@@ -90,6 +94,8 @@ _ENGINE_COUNTERS = (
      "Tokens emitted by verifies (accepted drafts plus the target's token, cut at stops)."),
     ("atom:spec_decode_num_verifies", "spec_num_verifies",
      "Sequences x steps that verified drafts."),
+    ("atom:spec_decode_num_drafts", "spec_num_verifies",
+     "Draft proposals verified (vLLM's name for the verifies)."),
     ("atom:spec_decode_num_verify_steps", "spec_num_verify_steps",
      "Forward steps in which some sequence verified drafts."),
     # P/D (--kv-role; atom.worker.tcp_kv_connector)
@@ -197,7 +203,12 @@ class _EngineCollector:
                 if key in s:  # KV events only when on, the dp_* ones only on DP ranks
                     family.add_metric(values, s[key])
             yield family
-        yield _spec_accepted_lengths(labels, rows)
+        yield _spec_by_label(labels, rows, name="atom:spec_decode_accepted_length",
+                             doc="Verifies that accepted exactly num_accepted draft tokens.",
+                             prefix="spec_accepted_length_", label="num_accepted")
+        yield _spec_by_label(labels, rows, name="atom:spec_decode_num_accepted_tokens_per_pos",
+                             doc="Verifies that accepted the draft at this position (0-based).",
+                             prefix="spec_num_accepted_tokens_pos_", label="position")
         yield _eplb_rebalance_seconds(labels, rows)
         model = [self.model_name]
         stats = [s for _, s in rows]
@@ -269,12 +280,12 @@ def _decision_families(prefix: str, stats: list[dict], *, model_name: str, polic
         yield family
 
 
-def _spec_accepted_lengths(labels: list[str], rows) -> CounterMetricFamily:
-    """Speculative decoding's accepted-length distribution: verifies by drafts accepted."""
-    family = CounterMetricFamily("atom:spec_decode_accepted_length",
-                                 "Verifies that accepted exactly num_accepted draft tokens.",
-                                 labels=labels + ["num_accepted"])
-    prefix = "spec_accepted_length_"
+def _spec_by_label(labels: list[str], rows, *, name: str, doc: str, prefix: str,
+                   label: str) -> CounterMetricFamily:
+    """A speculative-decoding counter family from each rank's ``{prefix}{value}`` stats,
+    labelled ``label=value``: the accepted-length distribution (verifies by drafts accepted)
+    and the per-position acceptance (vLLM's ``spec_decode_num_accepted_tokens_per_pos``)."""
+    family = CounterMetricFamily(name, doc, labels=labels + [label])
     for values, s in rows:
         for key, count in s.items():
             if key.startswith(prefix):
