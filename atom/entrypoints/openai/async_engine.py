@@ -218,7 +218,10 @@ class AsyncEngine:
                     for out in self.engine.step():
                         self._deliver(out)
             reason: BaseException = EngineDeadError("the server is shutting down")
-        except Exception as exc:  # EngineDeadError from a core, or a bug: never hang clients
+        except EngineDeadError as exc:  # the cause is named in the message: no traceback
+            logger.error("the engine thread stopped: %s", exc)
+            reason = exc
+        except Exception as exc:  # a bug: never hang clients
             logger.exception("the engine thread stopped")
             reason = exc
         with self._lock:
