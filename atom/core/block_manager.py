@@ -32,7 +32,8 @@ table entry becomes None, a hole the model runner fills with block 0, which the 
 read: the window masks it). Its table also grows lazily, one step's tokens at a time (admission
 covers the first chunk, :meth:`BlockManager.append_slots` the next ones), so a sequence holds
 at most ``ceil((W + chunk - 1) / block_size) + 1`` blocks of a sliding group however long it
-is (:meth:`BlockManager.max_blocks_held`). Prefix hits are per group with the hybrid rule:
+is (:meth:`BlockManager.max_blocks_held`); a P/D consumer's sequence holds from admission
+on only the blocks of its first decode's window (its prompt KV is loaded, not computed). Prefix hits are per group with the hybrid rule:
 the longest prefix of ``k`` blocks for which every full group has all ``k`` blocks cached and
 every sliding group has the blocks its window needs before the hit point. Each group keeps its
 own hash index (a block's KV differs per group); KV events describe group 0 only (the full
@@ -52,6 +53,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
+from atom.kv_cache_spec import first_block_in_window
 from atom.kv_events import (AllBlocksCleared, KVCacheEvent, removed_event, stored_event,
                              to_wire_hash)
 from atom.core.sequence import Sequence
@@ -174,10 +176,8 @@ class BlockManager:
     def first_live_block(self, group: int, num_computed_tokens: int) -> int:
         """Index of the first block of ``group`` a query at ``num_computed_tokens`` or later
         can see (0 for a full group): its window starts at ``num_computed_tokens - W + 1``."""
-        window = self.group_windows[group]
-        if window is None:
-            return 0
-        return max(0, num_computed_tokens - window + 1) // self.block_size
+        return first_block_in_window(self.group_windows[group], num_computed_tokens,
+                                     block_size=self.block_size)
 
     def num_blocks_to_cover(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq``'s tables need, over all groups, to hold ``num_tokens`` tokens."""
@@ -267,9 +267,24 @@ class BlockManager:
                         token_budget: int | None) -> int:
         """Tokens ``group``'s table covers at admission: all of them in a full group; in a
         sliding group only the first step's (its table grows step by step)."""
-        if self.group_windows[group] is None or token_budget is None:
+        if (self.group_windows[group] is None or token_budget is None
+                or _remote_tokens(seq) is not None):
             return len(seq.token_ids)
         return min(len(seq.token_ids), num_cached_tokens + token_budget)
+
+    def _admission_tables(self, seq: Sequence, claims: DryRunClaims | None
+                          ) -> tuple[int, list[list[int | None]]]:
+        """:meth:`find_cached`'s hits, and for a P/D consumer's sequence (its prompt KV comes
+        from a producer) the sliding groups' entries before the window of its first query
+        None: those blocks are neither loaded nor held."""
+        num_hit_blocks, tables = self._hits(seq, claims)
+        num_remote = _remote_tokens(seq)
+        if num_remote is not None:
+            for group, table in enumerate(tables):
+                first = self.first_live_block(group, num_remote)
+                if first:
+                    tables[group] = [None] * first + table[first:]
+        return num_hit_blocks, tables
 
     def admission_cost(self, seq: Sequence, claims: DryRunClaims | None = None, *,
                        token_budget: int | None = None) -> tuple[int, int]:
@@ -281,7 +296,7 @@ class BlockManager:
         block; cached blocks already in use cost nothing. With ``claims``, the cost is the one
         ``seq`` would have after the dry run's earlier claims (see :meth:`claim`).
         """
-        num_hit_blocks, tables = self._hits(seq, claims)
+        num_hit_blocks, tables = self._admission_tables(seq, claims)
         num_cached = num_hit_blocks * self.block_size
         needed = 0
         for group, hits in enumerate(tables):
@@ -339,7 +354,7 @@ class BlockManager:
               token_budget: int | None = None) -> None:
         """Record in ``claims`` the blocks ``allocate(seq, token_budget=...)`` would take;
         changes nothing else."""
-        num_hit_blocks, tables = self._hits(seq, claims)
+        num_hit_blocks, tables = self._admission_tables(seq, claims)
         num_new = 0
         for group, hits in enumerate(tables):
             claims.revived.update(b for b in hits if b is not None
@@ -381,7 +396,7 @@ class BlockManager:
         needed, _ = self.admission_cost(seq, token_budget=token_budget)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"allocate: need {needed} free blocks, have {self.num_free_blocks}")
-        num_hit_blocks, tables = self.find_cached(seq)
+        num_hit_blocks, tables = self._admission_tables(seq, None)
         num_cached_tokens = num_hit_blocks * self.block_size
         # every group's hits first: a new block taken from the free queue must not evict a
         # cached block another group of this sequence is about to reuse
@@ -594,3 +609,10 @@ class BlockManager:
         block.generation += 1
         block.ref_count = 1
         return block_id
+
+
+def _remote_tokens(seq: Sequence) -> int | None:
+    """Prompt tokens whose KV a P/D consumer's ``seq`` loads from its producer instead of
+    computing them (:mod:`atom.core.kv_connector`), or None: every other sequence."""
+    params = seq.kv_transfer_params
+    return params.remote_num_tokens if params is not None and params.do_remote_prefill else None

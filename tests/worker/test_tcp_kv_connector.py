@@ -306,3 +306,15 @@ def test_cancelled_pull_reports_nothing_and_releases_the_producer(producer):
         assert not any(c.any() for c in consumer.kv_caches)
     finally:
         consumer.close()
+
+
+def test_models_without_groups_keep_their_wire_bytes():
+    """The KV cache groups' fields are left off the wire when empty: a model without sliding
+    layers sends the bytes it always sent."""
+    from atom.worker.tcp_kv_connector import Pull, _encoder
+
+    assert _encoder.encode(Pull("r", [1, 2])) == msgspec.msgpack.encode(
+        {"type": "pull", "request_id": "r", "block_ids": [1, 2]})
+    params = KVTransferParams(do_remote_prefill=True, remote_block_ids=[3], remote_num_tokens=4)
+    assert b"remote_group_block_ids" not in msgspec.json.encode(params)
+    assert b"remote_group_block_ids" not in msgspec.msgpack.encode(params)
