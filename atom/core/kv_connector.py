@@ -40,7 +40,8 @@ full and sliding-window layers): the pull covers every group, each with its own 
 full group (group 0) moves as above; a sliding group of window ``W`` moves only the blocks the
 consumer's first query (position ``remote_num_tokens``) can see, from
 :func:`~atom.kv_cache_spec.first_block_in_window` on, and the consumer holds no block before
-that (window 4 above: ``r2`` only, into the sliding table ``[None, None, local]``). The
+that (window 4 above: token 10's query sees keys 7 to 10, so ``r1`` and ``r2`` move, into
+the sliding table ``[None, local, local]``). The
 params name them per group (``remote_group_block_ids``); the two engines must group alike,
 which the layout handshake checks (equal layer specs) and :meth:`KVConnectorScheduler.check_request`
 checks first from the params.

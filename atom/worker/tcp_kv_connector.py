@@ -360,9 +360,11 @@ class TCPKVConnector:
         held = [kept.block_ids, *kept.group_block_ids]
         if len(pulled) != len(self._group_caches) or not all(
                 set(p) <= set(h) for p, h in zip(pulled, held)):
+            one = len(self._group_caches) == 1  # one group: the message it always was
             return PullReply(pull.request_id, error=(
-                f"blocks {pulled} (per KV cache group) are not among request "
-                f"{pull.request_id!r}'s kept blocks {held}")), []
+                f"blocks {pull.block_ids if one else pulled} "
+                f"{'' if one else '(per KV cache group) '}are not among request "
+                f"{pull.request_id!r}'s kept blocks {kept.block_ids if one else held}")), []
         frames = [cache.index_select(1, torch.tensor(block_ids, dtype=torch.int64))
                   .view(torch.uint8).numpy() for cache, block_ids in self._frame_targets(pulled)]
         self.stats["kv_transfer_bytes"] += sum(f.nbytes for f in frames)
