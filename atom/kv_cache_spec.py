@@ -3,7 +3,8 @@
 The model decides it (``kv_cache_specs(config)`` on its class, :mod:`atom.models`): the model
 runner allocates one tensor per layer of :meth:`KVCacheSpec.shape`, the KV memory budget
 divides by :func:`kv_cache_bytes_per_block`, the P/D handshake compares the specs
-(:class:`atom.core.kv_connector.KVLayout`) and the simulator sizes its pools from the bytes per
+(:class:`atom.core.kv_connector.KVLayout`: equal specs mean equal KV cache groups, so a
+consumer grouped differently from its producer is refused there) and the simulator sizes its pools from the bytes per
 token the calibration records. Every layer shares the block manager's block ids and block size;
 only what one token takes in a layer differs:
 
@@ -93,6 +94,16 @@ def kv_cache_groups(specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup]:
         return [KVCacheGroup(sliding_window=None, layer_ids=tuple(range(len(specs))))]
     return [KVCacheGroup(sliding_window=w, layer_ids=tuple(
         i for i, spec in enumerate(specs) if spec.sliding_window == w)) for w in windows]
+
+
+def first_block_in_window(window: int | None, num_tokens: int, *, block_size: int) -> int:
+    """Index of the first block a query at position ``num_tokens`` (or later) sees in a group
+    of sliding ``window`` tokens (None: full attention, 0): the window starts at
+    ``num_tokens - window + 1``. The block manager releases the blocks before it; a P/D
+    producer sends the consumer only the blocks from it on."""
+    if window is None:
+        return 0
+    return max(0, num_tokens - window + 1) // block_size
 
 
 def kv_cache_slots(specs: Sequence[KVCacheSpec]) -> list[int]:

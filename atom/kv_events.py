@@ -145,19 +145,41 @@ def from_wire_hash(wire_hash: int) -> int:
     return wire_hash & _UINT64_MASK
 
 
+#: ``kv_cache_spec_kind`` of a full-attention and of a sliding-window KV cache group (vLLM's
+#: ``KVCacheSpecKind`` values)
+SPEC_KIND_FULL = "full_attention"
+SPEC_KIND_SLIDING = "sliding_window"
+
+
+@dataclass(frozen=True)
+class GroupFields:
+    """How a hybrid model's events name the KV cache group of their blocks (vLLM 0.32's
+    ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``). A model with one
+    group names none (``None`` instead of this), as before groups existed."""
+
+    group_idx: int
+    window: int | None  # the group's sliding window in tokens; None: full attention
+
+
 def stored_event(block_hashes: list[int], parent_block_hash: int | None, token_ids: list[int],
-                 block_size: int) -> BlockStored:
-    """A ``BlockStored`` of atom's KV pool from block-manager (unsigned) hashes."""
+                 block_size: int, group: GroupFields | None = None) -> BlockStored:
+    """A ``BlockStored`` of atom's KV pool from block-manager (unsigned) hashes; ``group``:
+    the KV cache group of a hybrid model's blocks."""
     return BlockStored(
         block_hashes=[to_wire_hash(h) for h in block_hashes],
         parent_block_hash=None if parent_block_hash is None else to_wire_hash(parent_block_hash),
         token_ids=token_ids, block_size=block_size, lora_id=None, medium=MEDIUM_GPU,
-        lora_name=None)
+        lora_name=None, group_idx=None if group is None else group.group_idx,
+        kv_cache_spec_kind=None if group is None else (
+            SPEC_KIND_FULL if group.window is None else SPEC_KIND_SLIDING),
+        kv_cache_spec_sliding_window=None if group is None else group.window)
 
 
-def removed_event(block_hashes: list[int]) -> BlockRemoved:
-    """A ``BlockRemoved`` of atom's KV pool from block-manager (unsigned) hashes."""
-    return BlockRemoved(block_hashes=[to_wire_hash(h) for h in block_hashes], medium=MEDIUM_GPU)
+def removed_event(block_hashes: list[int], group: GroupFields | None = None) -> BlockRemoved:
+    """A ``BlockRemoved`` of atom's KV pool from block-manager (unsigned) hashes; ``group``:
+    the KV cache group of a hybrid model's blocks."""
+    return BlockRemoved(block_hashes=[to_wire_hash(h) for h in block_hashes], medium=MEDIUM_GPU,
+                        group_idx=None if group is None else group.group_idx)
 
 
 # ----- decoding (current and legacy shapes) -----

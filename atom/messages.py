@@ -83,6 +83,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         remote_request_id: the producer's engine request id (the key its blocks are kept under).
         remote_block_ids: the producer's block ids holding the prompt's KV, in order.
         remote_num_tokens: prompt tokens whose KV those blocks hold.
+        remote_group_block_ids: a hybrid model's (:func:`atom.kv_cache_spec.kv_cache_groups`),
+            per KV cache group after the first (a sliding window each), the producer's blocks
+            inside the window of the consumer's first query (position ``remote_num_tokens``),
+            in order: from block :func:`~atom.kv_cache_spec.first_block_in_window` to the
+            prompt's last. Empty for one group (not on the wire then).
         first_token_id: the token the producer sampled; the consumer emits it as its first
             output token and decodes on from it.
     """
@@ -95,6 +100,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     remote_block_ids: list[int] = []
     remote_num_tokens: int = 0
     first_token_id: int | None = None
+    remote_group_block_ids: list[list[int]] = []
 
 
 class ResumedChoice(msgspec.Struct, frozen=True):

@@ -32,12 +32,15 @@ table entry becomes None, a hole the model runner fills with block 0, which the 
 read: the window masks it). Its table also grows lazily, one step's tokens at a time (admission
 covers the first chunk, :meth:`BlockManager.append_slots` the next ones), so a sequence holds
 at most ``ceil((W + chunk - 1) / block_size) + 1`` blocks of a sliding group however long it
-is (:meth:`BlockManager.max_blocks_held`). Prefix hits are per group with the hybrid rule:
+is (:meth:`BlockManager.max_blocks_held`); a P/D consumer's sequence holds from admission
+on only the blocks of its first decode's window (its prompt KV is loaded, not computed). Prefix hits are per group with the hybrid rule:
 the longest prefix of ``k`` blocks for which every full group has all ``k`` blocks cached and
 every sliding group has the blocks its window needs before the hit point. Each group keeps its
-own hash index (a block's KV differs per group); KV events describe group 0 only (the full
-group: a hybrid hit is at most its chain, so the cache-aware DP router's match is an upper
-bound), and the engine refuses them for a model without a full group (:mod:`atom.worker.worker`).
+own hash index (a block's KV differs per group). KV events describe every group the way
+vLLM 0.32 does (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``; none
+of them for a single group, whose events stay as they were), so the cache-aware DP router can
+apply the hybrid hit rule (:class:`atom.engine.kv_subscriber.KVCacheIndex`); the engine
+refuses events for a model without a full group (:mod:`atom.worker.worker`).
 
 Every change to the prefix-cache index is logged in ``events`` as the KV event wire structs of
 ``atom.kv_events`` (``BlockStored`` when hashes are published, ``BlockRemoved`` on eviction,
@@ -52,8 +55,9 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from atom.kv_events import (AllBlocksCleared, KVCacheEvent, removed_event, stored_event,
-                             to_wire_hash)
+from atom.kv_cache_spec import first_block_in_window
+from atom.kv_events import (AllBlocksCleared, GroupFields, KVCacheEvent, removed_event,
+                             stored_event, to_wire_hash)
 from atom.core.sequence import Sequence
 
 
@@ -122,10 +126,14 @@ class BlockManager:
         self.group_windows = tuple(group_windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        # one prefix-cache index per group; hash_to_block is group 0's (the one KV events show)
+        # one prefix-cache index per group; hash_to_block is group 0's
         self._hash_index: list[dict[int, int]] = [{} for _ in group_windows]
         self.hash_to_block = self._hash_index[0]
         self.events: list[KVCacheEvent] = []
+        # what a hybrid pool's events say of each group (None: one group, events name none)
+        self._event_groups: list[GroupFields | None] = (
+            [None] if len(group_windows) == 1
+            else [GroupFields(g, w) for g, w in enumerate(group_windows)])
         # per group, per sequence: number of leading blocks of its table already hashed and
         # published (holes of a sliding group included)
         self._num_hashed: list[dict[int, int]] = [{} for _ in group_windows]
@@ -174,10 +182,8 @@ class BlockManager:
     def first_live_block(self, group: int, num_computed_tokens: int) -> int:
         """Index of the first block of ``group`` a query at ``num_computed_tokens`` or later
         can see (0 for a full group): its window starts at ``num_computed_tokens - W + 1``."""
-        window = self.group_windows[group]
-        if window is None:
-            return 0
-        return max(0, num_computed_tokens - window + 1) // self.block_size
+        return first_block_in_window(self.group_windows[group], num_computed_tokens,
+                                     block_size=self.block_size)
 
     def num_blocks_to_cover(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq``'s tables need, over all groups, to hold ``num_tokens`` tokens."""
@@ -267,9 +273,24 @@ class BlockManager:
                         token_budget: int | None) -> int:
         """Tokens ``group``'s table covers at admission: all of them in a full group; in a
         sliding group only the first step's (its table grows step by step)."""
-        if self.group_windows[group] is None or token_budget is None:
+        if (self.group_windows[group] is None or token_budget is None
+                or _remote_tokens(seq) is not None):
             return len(seq.token_ids)
         return min(len(seq.token_ids), num_cached_tokens + token_budget)
+
+    def _admission_tables(self, seq: Sequence, claims: DryRunClaims | None
+                          ) -> tuple[int, list[list[int | None]]]:
+        """:meth:`find_cached`'s hits, and for a P/D consumer's sequence (its prompt KV comes
+        from a producer) the sliding groups' entries before the window of its first query
+        None: those blocks are neither loaded nor held."""
+        num_hit_blocks, tables = self._hits(seq, claims)
+        num_remote = _remote_tokens(seq)
+        if num_remote is not None:
+            for group, table in enumerate(tables):
+                first = self.first_live_block(group, num_remote)
+                if first:
+                    tables[group] = [None] * first + table[first:]
+        return num_hit_blocks, tables
 
     def admission_cost(self, seq: Sequence, claims: DryRunClaims | None = None, *,
                        token_budget: int | None = None) -> tuple[int, int]:
@@ -281,7 +302,7 @@ class BlockManager:
         block; cached blocks already in use cost nothing. With ``claims``, the cost is the one
         ``seq`` would have after the dry run's earlier claims (see :meth:`claim`).
         """
-        num_hit_blocks, tables = self._hits(seq, claims)
+        num_hit_blocks, tables = self._admission_tables(seq, claims)
         num_cached = num_hit_blocks * self.block_size
         needed = 0
         for group, hits in enumerate(tables):
@@ -339,7 +360,7 @@ class BlockManager:
               token_budget: int | None = None) -> None:
         """Record in ``claims`` the blocks ``allocate(seq, token_budget=...)`` would take;
         changes nothing else."""
-        num_hit_blocks, tables = self._hits(seq, claims)
+        num_hit_blocks, tables = self._admission_tables(seq, claims)
         num_new = 0
         for group, hits in enumerate(tables):
             claims.revived.update(b for b in hits if b is not None
@@ -381,7 +402,7 @@ class BlockManager:
         needed, _ = self.admission_cost(seq, token_budget=token_budget)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"allocate: need {needed} free blocks, have {self.num_free_blocks}")
-        num_hit_blocks, tables = self.find_cached(seq)
+        num_hit_blocks, tables = self._admission_tables(seq, None)
         num_cached_tokens = num_hit_blocks * self.block_size
         # every group's hits first: a new block taken from the free queue must not evict a
         # cached block another group of this sequence is about to reuse
@@ -461,8 +482,8 @@ class BlockManager:
             table[i] = None
 
     def _publish_group(self, seq: Sequence, group: int) -> None:
-        """Index the newly computed full blocks of a group other than 0 (no KV events, no
-        parent links: :meth:`_lookup`)."""
+        """Index the newly computed full blocks of a group other than 0 (no parent links:
+        :meth:`_lookup`), with their KV events (one per run of consecutive blocks it indexed)."""
         table = self.tables(seq)[group]
         num_hashed = self._num_hashed[group].get(seq.seq_id, 0)
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
@@ -470,15 +491,27 @@ class BlockManager:
             return
         hashes = self.block_hashes(seq, num_full)
         index, bs = self._hash_index[group], self.block_size
+        runs: list[tuple[int | None, list[int], list[int]]] = []  # (parent, hashes, tokens)
+        last_stored = None
         for i in range(num_hashed, num_full):
             if table[i] is None:
                 continue
             block = self.blocks[table[i]]
             if block.block_hash is None:
-                block.block_hash, block.group = hashes[i], group
-                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                index.setdefault(hashes[i], block.block_id)  # first writer wins
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.block_hash, block.group, block.token_ids = hashes[i], group, tokens
+                if hashes[i] not in index:  # first writer wins
+                    index[hashes[i]] = block.block_id
+                    if runs and last_stored == i - 1:
+                        runs[-1][1].append(hashes[i])
+                        runs[-1][2].extend(tokens)
+                    else:
+                        runs.append((hashes[i - 1] if i else None, [hashes[i]], list(tokens)))
+                    last_stored = i
         self._num_hashed[group][seq.seq_id] = num_full
+        self.events.extend(stored_event(run_hashes, run_parent, run_tokens, bs,
+                                        self._event_groups[group])
+                           for run_parent, run_hashes, run_tokens in runs)
 
     def _publish(self, seq: Sequence) -> None:
         """:meth:`cache_computed_blocks` for group 0, with its KV events."""
@@ -517,7 +550,8 @@ class BlockManager:
                     last_stored = i
             parent, link = block_hash, self._canonical_link(block)
         self._num_hashed_blocks[seq.seq_id] = num_full
-        self.events.extend(stored_event(run_hashes, run_parent, run_tokens, self.block_size)
+        self.events.extend(stored_event(run_hashes, run_parent, run_tokens, self.block_size,
+                                        self._event_groups[0])
                            for run_parent, run_hashes, run_tokens in runs)
 
     def _canonical_link(self, block: Block) -> tuple[int, int]:
@@ -588,9 +622,16 @@ class BlockManager:
             index = self._hash_index[block.group]
             if index.get(block.block_hash) == block_id:
                 del index[block.block_hash]
-                if block.group == 0:
-                    self.events.append(removed_event([block.block_hash]))
+                self.events.append(removed_event([block.block_hash],
+                                                 self._event_groups[block.group]))
             block.block_hash = block.token_ids = block.parent = None
         block.generation += 1
         block.ref_count = 1
         return block_id
+
+
+def _remote_tokens(seq: Sequence) -> int | None:
+    """Prompt tokens whose KV a P/D consumer's ``seq`` loads from its producer instead of
+    computing them (:mod:`atom.core.kv_connector`), or None: every other sequence."""
+    params = seq.kv_transfer_params
+    return params.remote_num_tokens if params is not None and params.do_remote_prefill else None

@@ -34,6 +34,17 @@ locally; the producer's first token ``f`` is appended as output token 0)::
     load               r1 -> local[1], r2 -> local[2]; num_computed_tokens = 10 afterwards
 
 The next step decodes ``f`` (its KV goes to slot 10 of local block 2) and samples token 1.
+
+**KV cache groups** (a hybrid model, :func:`atom.kv_cache_spec.kv_cache_groups`: gpt-oss's
+full and sliding-window layers): the pull covers every group, each with its own blocks. The
+full group (group 0) moves as above; a sliding group of window ``W`` moves only the blocks the
+consumer's first query (position ``remote_num_tokens``) can see, from
+:func:`~atom.kv_cache_spec.first_block_in_window` on, and the consumer holds no block before
+that (window 4 above: token 10's query sees keys 7 to 10, so ``r1`` and ``r2`` move, into
+the sliding table ``[None, local, local]``). The
+params name them per group (``remote_group_block_ids``); the two engines must group alike,
+which the layout handshake checks (equal layer specs) and :meth:`KVConnectorScheduler.check_request`
+checks first from the params.
 """
 
 from __future__ import annotations
@@ -46,7 +57,8 @@ from typing import Protocol
 import msgspec
 
 from atom.core.sequence import FinishReason, Sequence
-from atom.kv_cache_spec import KVCacheSpec, describe_layers
+from atom.kv_cache_spec import (KVCacheSpec, describe_groups, describe_layers,
+                                first_block_in_window)
 from atom.messages import KVTransferParams
 
 
@@ -72,8 +84,13 @@ class KVLayout(msgspec.Struct, frozen=True):
         return len(self.layers)
 
     def describe(self) -> str:
+        groups = describe_groups(self.layers, itemsize=_ITEMSIZE.get(self.dtype, 0))
         return (f"{self.architecture}, dtype={self.dtype}, block_size={self.block_size}, "
-                f"{self.num_layers} layers ({describe_layers(self.layers)})")
+                f"{self.num_layers} layers ({describe_layers(self.layers)})"
+                + ("" if not groups else f", {groups}"))
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -102,20 +119,29 @@ def transfer_endpoint(host: str, port: int) -> str:
 @dataclass(frozen=True)
 class LoadSpec:
     """One pull a consumer starts: the producer's ``remote_block_ids`` into ``local_block_ids``
-    (same length, in order) for ``request_id`` (the consumer's engine request id)."""
+    (same length, in order) for ``request_id`` (the consumer's engine request id); a hybrid
+    model's KV cache groups after the first likewise, one list per group."""
 
     request_id: str
     params: KVTransferParams
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    remote_group_block_ids: list[list[int]] = field(default_factory=list)
+    local_group_block_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.local_block_ids) + sum(map(len, self.local_group_block_ids))
 
 
 @dataclass(frozen=True)
 class KeepSpec:
-    """Blocks a producer keeps for a consumer: ``block_ids`` of request ``request_id``."""
+    """Blocks a producer keeps for a consumer: ``block_ids`` of request ``request_id``
+    (group 0's), and a hybrid model's other groups' in ``group_block_ids``."""
 
     request_id: str
     block_ids: list[int]
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -178,12 +204,15 @@ class KVConnectorScheduler:
         role: ``"producer"`` or ``"consumer"``.
         block_size: tokens per KV block.
         host, port: the producer's KV transfer address (what consumers are told).
+        group_windows: each KV cache group's sliding window in tokens (None: full attention),
+            as the block manager's; one full group for a model without sliding layers.
     """
 
     def __init__(self, role: str, *, block_size: int, host: str | None = None,
-                 port: int | None = None):
+                 port: int | None = None, group_windows: tuple[int | None, ...] = (None,)):
         self.role = role
         self.block_size = block_size
+        self.group_windows = tuple(group_windows)
         self.host, self.port = host, port
         self._meta = KVConnectorMetadata()
 
@@ -214,7 +243,26 @@ class KVConnectorScheduler:
                 return (f"remote_block_ids has {len(params.remote_block_ids)} blocks, the prompt "
                         f"needs {num_blocks} of {self.block_size} tokens: the two engines' "
                         f"--block-size differ")
+            return self._check_group_blocks(params)
         return None
+
+    def _window_blocks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """Per KV cache group after the first, (first, end) block indices of a prompt of
+        ``num_tokens`` tokens that the first query after it sees."""
+        end = -(-num_tokens // self.block_size)
+        return [(first_block_in_window(w, num_tokens, block_size=self.block_size), end)
+                for w in self.group_windows[1:]]
+
+    def _check_group_blocks(self, params: KVTransferParams) -> str | None:
+        got = [len(ids) for ids in params.remote_group_block_ids]
+        want = [end - first for first, end in self._window_blocks(params.remote_num_tokens)]
+        if got == want:
+            return None
+        windows = ", ".join("full" if w is None else f"window {w}" for w in self.group_windows)
+        return (f"the producer sent blocks of {1 + len(got)} KV cache group(s) ({got} blocks "
+                f"after the first group's), this consumer has {len(self.group_windows)} ({windows}; "
+                f"{want} blocks expected): the two engines group their layers differently, "
+                f"start both with the same model and --block-size")
 
     # ----- consumer -----
 
@@ -233,8 +281,18 @@ class KVConnectorScheduler:
         assert params is not None and params.do_remote_prefill
         end = -(-params.remote_num_tokens // self.block_size)
         start = (params.remote_num_tokens - num_external_tokens) // self.block_size  # cached: whole blocks
+        # a sliding group: the producer sent blocks first..end; those before start are cached
+        # here too (the hybrid hit rule keeps the window before a hit)
+        remote_groups, local_groups = [], []
+        for (first, _), remote, table in zip(self._window_blocks(params.remote_num_tokens),
+                                             params.remote_group_block_ids, seq.group_block_tables):
+            begin = max(first, start)
+            remote_groups.append(list(remote[begin - first:]))
+            local_groups.append(list(table[begin:end]))
+            assert None not in local_groups[-1], (seq.seq_id, table)
         self._meta.loads.append(LoadSpec(seq.request_id, params, list(params.remote_block_ids[start:end]),
-                                         list(seq.block_table[start:end])))
+                                         list(seq.block_table[start:end]), remote_groups,
+                                         local_groups))
 
     def request_cancelled(self, seq: Sequence) -> None:
         """A loading ``seq`` was aborted: its pull must be dropped (blocks are freed now)."""
@@ -253,11 +311,16 @@ class KVConnectorScheduler:
             return False, None
         num_tokens = seq.num_prompt_tokens
         block_ids = list(seq.block_table[: -(-num_tokens // self.block_size)])
-        self._meta.keeps.append(KeepSpec(seq.request_id, block_ids))
+        # a sliding group: only the blocks the consumer's first query sees (module docstring)
+        group_block_ids = [list(table[first:end]) for (first, end), table
+                           in zip(self._window_blocks(num_tokens), seq.group_block_tables)]
+        assert all(None not in ids for ids in group_block_ids), seq.group_block_tables
+        self._meta.keeps.append(KeepSpec(seq.request_id, block_ids, group_block_ids))
         return True, KVTransferParams(
             do_remote_prefill=True, remote_host=self.host, remote_port=self.port,
             remote_request_id=seq.request_id, remote_block_ids=block_ids,
-            remote_num_tokens=num_tokens, first_token_id=seq.token_ids[num_tokens])
+            remote_num_tokens=num_tokens, first_token_id=seq.token_ids[num_tokens],
+            remote_group_block_ids=group_block_ids)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         """The changes since the last call (and forget them)."""

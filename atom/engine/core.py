@@ -94,7 +94,7 @@ class EngineCore:
             eos_token_ids=runtime.eos_token_ids, proposer=_ngram_proposer(config),
             connector=None if config.kv_role is None else KVConnectorScheduler(
                 config.kv_role, block_size=config.block_size, host=config.kv_transfer_host,
-                port=worker.kv_transfer_port),
+                port=worker.kv_transfer_port, group_windows=runtime.kv_cache_group_windows),
             structured=StructuredOutputManager(
                 vocab_size=runtime.vocab_size, eos_token_ids=runtime.eos_token_ids,
                 load_tokenizer_json=lambda: tokenizer_json(config.model)))

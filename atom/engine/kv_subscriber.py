@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 import zmq
 
 from atom.core.block_manager import hash_block
-from atom.kv_events import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored,
-                            KVCacheEvent, KVEventBatch, KVEventDecodeError, decode_batch,
-                            offset_endpoint, to_wire_hash)
+from atom.kv_cache_spec import first_block_in_window
+from atom.kv_events import (SPEC_KIND_SLIDING, AllBlocksCleared, BlockHash, BlockRemoved,
+                            BlockStored, KVCacheEvent, KVEventBatch, KVEventDecodeError,
+                            decode_batch, offset_endpoint, to_wire_hash)
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,23 @@ def connectable_endpoint(endpoint: str) -> str:
 
 
 class KVCacheIndex:
-    """Per DP rank, the set of block hashes its prefix cache holds (all media merged).
+    """Per DP rank, the block hashes its prefix cache holds (all media merged), per KV cache
+    group (``group_idx``; an event without one is group 0's, as every event of a model with
+    one group).
 
-    Owns one set per rank, mutated only by :meth:`apply`; a lock makes every method safe to call
-    from any thread.
+    A hybrid model's events name each group's kind and window (vLLM 0.32's
+    ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``): :meth:`longest_prefix_match`
+    counts a hit by the engine's hybrid rule (:mod:`atom.core.block_manager`): the longest
+    prefix every full group holds whole and every sliding group holds the window before.
+
+    Owns the sets, mutated only by :meth:`apply`; a lock makes every method safe to call from
+    any thread.
     """
 
     def __init__(self, dp_ranks: Iterable[int]) -> None:
-        self._blocks: dict[int, set[BlockHash]] = {rank: set() for rank in dp_ranks}
+        self._blocks: dict[int, dict[int, set[BlockHash]]] = {rank: {0: set()} for rank in dp_ranks}
+        # per rank, sliding group -> (window, block size), from its BlockStored events
+        self._windows: dict[int, dict[int, tuple[int, int]]] = {rank: {} for rank in dp_ranks}
         self._lock = threading.Lock()
 
     @property
@@ -86,35 +96,48 @@ class KVCacheIndex:
         return list(self._blocks)
 
     def apply(self, dp_rank: int, events: Iterable[KVCacheEvent]) -> None:
-        """Apply one batch's events to ``dp_rank``'s set (KeyError: a rank not indexed)."""
+        """Apply one batch's events to ``dp_rank``'s sets (KeyError: a rank not indexed)."""
         with self._lock:
-            blocks = self._blocks[dp_rank]
+            groups, windows = self._blocks[dp_rank], self._windows[dp_rank]
             for event in events:
                 if isinstance(event, BlockStored):
-                    blocks.update(event.block_hashes)
+                    group = event.group_idx or 0
+                    groups.setdefault(group, set()).update(event.block_hashes)
+                    if (event.kv_cache_spec_kind == SPEC_KIND_SLIDING
+                            and event.kv_cache_spec_sliding_window is not None):
+                        windows[group] = (event.kv_cache_spec_sliding_window, event.block_size)
                 elif isinstance(event, BlockRemoved):
-                    blocks.difference_update(event.block_hashes)
+                    groups.setdefault(event.group_idx or 0, set()).difference_update(
+                        event.block_hashes)
                 elif isinstance(event, AllBlocksCleared):
-                    blocks.clear()
+                    for blocks in groups.values():
+                        blocks.clear()
 
-    def block_hashes(self, dp_rank: int) -> frozenset[BlockHash]:
-        """A snapshot of the hashes ``dp_rank`` holds."""
+    def block_hashes(self, dp_rank: int, group_idx: int = 0) -> frozenset[BlockHash]:
+        """A snapshot of the hashes ``dp_rank`` holds in KV cache group ``group_idx``."""
         with self._lock:
-            return frozenset(self._blocks[dp_rank])
+            return frozenset(self._blocks[dp_rank].get(group_idx, ()))
 
     def longest_prefix_match(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
         """Per rank, how many leading blocks of ``block_hashes`` (a prompt's chained hashes,
-        wire form) it holds: the count stops at the first block it does not hold."""
+        wire form) it holds: the count stops at the first block a full group lacks, then
+        shrinks until every sliding group holds the window before it (class docstring)."""
         with self._lock:
-            result = {}
-            for rank, blocks in self._blocks.items():
-                num_blocks = 0
-                for block_hash in block_hashes:
-                    if block_hash not in blocks:
-                        break
-                    num_blocks += 1
-                result[rank] = num_blocks
-            return result
+            return {rank: self._match(rank, block_hashes) for rank in self._blocks}
+
+    def _match(self, rank: int, block_hashes: Sequence[BlockHash]) -> int:
+        groups, windows = self._blocks[rank], self._windows[rank]
+        num_blocks = len(block_hashes)
+        for group, blocks in groups.items():
+            if group not in windows:  # a full group: the chain up to its first miss
+                num_blocks = min(num_blocks, next(
+                    (i for i, h in enumerate(block_hashes) if h not in blocks), num_blocks))
+        while num_blocks > 0 and not all(
+                all(h in groups[g] for h in block_hashes[
+                    first_block_in_window(window, num_blocks * size, block_size=size):num_blocks])
+                for g, (window, size) in windows.items()):
+            num_blocks -= 1
+        return num_blocks
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,16 @@ Every message is a msgspec msgpack frame (never pickle); KV bytes travel as raw 
                                                [2, num_blocks, block_size, H_kv, D])
     Release(request_id, completed)    ──>      frees the kept blocks now
 
+A hybrid model's KV cache groups (:func:`atom.kv_cache_spec.kv_cache_groups`; gpt-oss's full
+and sliding layers) pull different blocks per group: ``Pull.block_ids`` are group 0's and
+``Pull.group_block_ids`` the other groups' (one list each; absent for one group, so its bytes
+are those of a model without groups); the layer frames come group by group, each group's
+layers in order, a layer's frame holding its own group's blocks (the groups share cache
+tensors, block ids never overlap).
+
 The layouts (:class:`~atom.core.kv_connector.KVLayout`: architecture, dtype, block size, and
-every layer's :class:`~atom.kv_cache_spec.KVCacheSpec`) must be equal, else both sides refuse with a message naming both layouts; every frame
+every layer's :class:`~atom.kv_cache_spec.KVCacheSpec`, hence the KV cache groups) must be
+equal, else both sides refuse with a message naming both layouts; every frame
 carries an xxhash64 checksum, checked before a byte reaches the KV cache. The consumer confirms
 (``Release(completed=True)``) as soon as it holds the bytes, and releases (``completed=False``)
 when the request was aborted; a producer frees blocks nobody confirmed after
@@ -44,6 +52,7 @@ import zmq
 
 from atom.core.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout, LoadSpec,
                                     transfer_endpoint)
+from atom.kv_cache_spec import kv_cache_groups
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +69,13 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
     error: str | None = None
 
 
-class Pull(msgspec.Struct, tag="pull", frozen=True):
-    """Send the KV of ``block_ids`` (a subset of those kept for ``request_id``, in order)."""
+class Pull(msgspec.Struct, tag="pull", frozen=True, omit_defaults=True):
+    """Send the KV of ``block_ids`` (a subset of those kept for ``request_id``, in order;
+    ``group_block_ids``: a hybrid model's other KV cache groups', module docstring)."""
 
     request_id: str
     block_ids: list[int]
+    group_block_ids: list[list[int]] = []
 
 
 class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
@@ -82,6 +93,10 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     completed: bool
 
 
+def _pull(remote_id: str, spec: LoadSpec) -> Pull:
+    return Pull(remote_id, spec.remote_block_ids, spec.remote_group_block_ids)
+
+
 TransferMessage = Handshake | HandshakeReply | Pull | PullReply | Release
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TransferMessage)
@@ -95,8 +110,13 @@ def layout_mismatch(producer: str, producer_layout: KVLayout, consumer_layout: K
 
 @dataclass
 class _Kept:
-    block_ids: list[int]
+    block_ids: list[int]  # group 0's
     deadline_s: float
+    group_block_ids: list[list[int]] = field(default_factory=list)  # the other groups'
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + sum(map(len, self.group_block_ids))
 
 
 @dataclass
@@ -138,6 +158,9 @@ class TCPKVConnector:
                  host: str = "127.0.0.1", port: int = 0, keep_timeout_s: float = 60.0,
                  pull_timeout_s: float = 30.0):
         self.role, self.kv_caches, self.layout = role, kv_caches, layout
+        # per KV cache group, its layers' cache tensors (the frame order of a pull)
+        self._group_caches = [[kv_caches[i] for i in group.layer_ids]
+                              for group in kv_cache_groups(layout.layers)]
         self.host, self.port = host, port
         self.keep_timeout_s, self.pull_timeout_s = keep_timeout_s, pull_timeout_s
         self.stats = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0,
@@ -186,9 +209,10 @@ class TCPKVConnector:
         if metadata.keeps:
             with self._lock:
                 for keep in metadata.keeps:
-                    self._kept[keep.request_id] = _Kept(keep.block_ids, now + self.keep_timeout_s)
+                    self._kept[keep.request_id] = _Kept(keep.block_ids, now + self.keep_timeout_s,
+                                                        keep.group_block_ids)
         for spec in metadata.loads:
-            if not spec.local_block_ids:
+            if not spec.num_blocks:
                 self._immediate.append(spec.request_id)
             else:
                 self._commands.put(("load", spec, now))
@@ -242,7 +266,7 @@ class TCPKVConnector:
 
     def num_kept_blocks(self) -> int:
         with self._lock:
-            return sum(len(k.block_ids) for k in self._kept.values())
+            return sum(k.num_blocks for k in self._kept.values())
 
     def get_stats(self) -> dict[str, int | float]:
         """Transfers, bytes, seconds (pull time, consumer), failures, timeouts; kept blocks."""
@@ -258,16 +282,23 @@ class TCPKVConnector:
         self._thread.join(5.0)
         self._ctx.destroy(linger=0)
 
+    def _frame_targets(self, group_block_ids: list[list[int]]):
+        """(cache tensor, block ids) of each layer frame of a pull, in frame order: group by
+        group, each group's layers in order (``group_block_ids``: each group's blocks)."""
+        return [(cache, block_ids) for caches, block_ids in zip(self._group_caches, group_block_ids)
+                for cache in caches]
+
     def _copy_into_cache(self, spec: LoadSpec, frames: list) -> None:
         dtype = _DTYPES[self.layout.dtype]
-        index = torch.tensor(spec.local_block_ids, dtype=torch.int64)
-        num_blocks, block_size = len(spec.local_block_ids), self.layout.block_size
         with warnings.catch_warnings():  # zmq frames are read-only; they are only read here
             warnings.simplefilter("ignore", UserWarning)
-            for cache, frame, layer in zip(self.kv_caches, frames, self.layout.layers):
+            targets = self._frame_targets([spec.local_block_ids, *spec.local_group_block_ids])
+            for (cache, block_ids), frame in zip(targets, frames):
+                if not block_ids:
+                    continue
                 src = torch.frombuffer(frame, dtype=torch.uint8).view(dtype).view(
-                    layer.shape(num_blocks, block_size))
-                cache.index_copy_(1, index, src)
+                    (cache.shape[0], len(block_ids), *cache.shape[2:]))
+                cache.index_copy_(1, torch.tensor(block_ids, dtype=torch.int64), src)
 
     def _expire_kept(self) -> None:
         now = time.monotonic()
@@ -325,12 +356,17 @@ class TCPKVConnector:
             return PullReply(pull.request_id, error=(
                 f"the producer holds no KV for request {pull.request_id!r}: its keep timeout "
                 f"({self.keep_timeout_s:g} s) passed or it was released")), []
-        if not set(pull.block_ids) <= set(kept.block_ids):
+        pulled = [pull.block_ids, *pull.group_block_ids]
+        held = [kept.block_ids, *kept.group_block_ids]
+        if len(pulled) != len(self._group_caches) or not all(
+                set(p) <= set(h) for p, h in zip(pulled, held)):
+            one = len(self._group_caches) == 1  # one group: the message it always was
             return PullReply(pull.request_id, error=(
-                f"blocks {pull.block_ids} are not among request {pull.request_id!r}'s kept "
-                f"blocks {kept.block_ids}")), []
-        index = torch.tensor(pull.block_ids, dtype=torch.int64)
-        frames = [cache.index_select(1, index).view(torch.uint8).numpy() for cache in self.kv_caches]
+                f"blocks {pull.block_ids if one else pulled} "
+                f"{'' if one else '(per KV cache group) '}are not among request "
+                f"{pull.request_id!r}'s kept blocks {kept.block_ids if one else held}")), []
+        frames = [cache.index_select(1, torch.tensor(block_ids, dtype=torch.int64))
+                  .view(torch.uint8).numpy() for cache, block_ids in self._frame_targets(pulled)]
         self.stats["kv_transfer_bytes"] += sum(f.nbytes for f in frames)
         return PullReply(pull.request_id, checksums=[xxhash.xxh64(f).intdigest() for f in frames]), frames
 
@@ -387,7 +423,7 @@ class TCPKVConnector:
             if conn.error is not None:
                 self._fail(pending.pop(remote_id).spec, conn.error)
             elif conn.ready:
-                conn.sock.send(_encoder.encode(Pull(remote_id, spec.remote_block_ids)))
+                conn.sock.send(_encoder.encode(_pull(remote_id, spec)))
             else:
                 conn.queued.append(remote_id)
 
@@ -423,14 +459,13 @@ class TCPKVConnector:
                 if conn.error is not None:
                     self._fail(pending.pop(remote_id).spec, conn.error)
                 else:
-                    conn.sock.send(_encoder.encode(Pull(remote_id, p.spec.remote_block_ids)))
+                    conn.sock.send(_encoder.encode(_pull(remote_id, p.spec)))
             conn.queued = []
         elif isinstance(message, PullReply):
             p = pending.pop(message.request_id, None)
             if p is None:
                 return  # cancelled (its Release is sent) or failed on a timeout
-            error = message.error or self._check_frames(message, frames[1:],
-                                                           len(p.spec.local_block_ids))
+            error = message.error or self._check_frames(message, frames[1:], p.spec)
             if error is not None:
                 self._fail(p.spec, f"pulling the KV from {conn.endpoint} failed: {error}")
                 return
@@ -440,13 +475,17 @@ class TCPKVConnector:
             self.stats["kv_transfer_seconds"] += time.monotonic() - p.start_s
             self._finish(("loaded", p.spec.request_id, p.spec, [f.buffer for f in frames[1:]]))
 
-    def _check_frames(self, reply: PullReply, frames: list, num_blocks: int) -> str | None:
-        """Why the layer frames of ``reply`` cannot go into ``num_blocks`` blocks, or None."""
+    def _check_frames(self, reply: PullReply, frames: list, spec: LoadSpec) -> str | None:
+        """Why the layer frames of ``reply`` cannot go into ``spec``'s local blocks, or None."""
         layout = self.layout
         if len(frames) != layout.num_layers or len(reply.checksums) != layout.num_layers:
             return f"got {len(frames)} layer frames, expected {layout.num_layers}"
         itemsize = torch.empty((), dtype=_DTYPES[layout.dtype]).element_size()
-        for layer, (frame, checksum) in enumerate(zip(frames, reply.checksums)):
+        # (layer, blocks) of each frame, in frame order
+        expected = [(i, len(ids)) for group, ids in zip(
+            kv_cache_groups(layout.layers), (spec.local_block_ids, *spec.local_group_block_ids))
+            for i in group.layer_ids]
+        for (layer, num_blocks), frame, checksum in zip(expected, frames, reply.checksums):
             num_bytes = (num_blocks * layout.block_size * layout.layers[layer].values_per_token()
                          * itemsize)
             if len(frame.buffer) != num_bytes:

@@ -348,17 +348,15 @@ def _load_draft_model(path: str, dtype: torch.dtype, *, target, max_model_len: i
 
 def _check_hybrid_supported(config: EngineConfig, *, has_full_group: bool) -> None:
     """Refuse what does not know about several KV cache groups yet (a model with sliding
-    layers, :func:`atom.kv_cache_spec.kv_cache_groups`): P/D moves one block table's blocks and
-    a draft model's forward (a separate model, or the target's first layers) reads one table. KV events (and the cache-aware DP
-    router they feed) describe the full-attention group's blocks, an upper bound of a hybrid
-    hit (:mod:`atom.core.block_manager`); without a full group there is nothing to describe.
+    layers, :func:`atom.kv_cache_spec.kv_cache_groups`): a draft model's forward (a separate
+    model, or the target's first layers) reads one table. KV events name each group's blocks
+    (:mod:`atom.core.block_manager`), but a hit needs a full group's chain: a model whose every
+    layer slides has none. (P/D moves every group's blocks: :mod:`atom.core.kv_connector`.)
 
     Raises:
-        ValueError: ``kv_role`` or speculative_method draft is set, or KV events without a
-            full group.
+        ValueError: speculative_method draft is set, or KV events without a full group.
     """
-    for name, on in (("P/D (kv_role)", config.kv_role is not None),
-                     ("KV events (kv_events_endpoint or cache_aware routing)",
+    for name, on in (("KV events (kv_events_endpoint or cache_aware routing)",
                       not has_full_group and config.resolved_kv_events() is not None),
                      ("a draft model (speculative_method draft)",
                       config.speculative_method == "draft")):

@@ -198,3 +198,26 @@ def test_the_same_kv_memory_holds_about_twice_gpt_oss_tokens_at_long_context():
     hybrid = longest(BlockManager(after, 16, group_windows=(None, 128)))
     assert single == before * 16
     assert 1.8 < hybrid / single < 2.0  # twice, less one window and chunk of sliding blocks
+
+
+def test_events_name_the_group_only_in_a_hybrid_pool():
+    """vLLM 0.32's group fields: on both groups' events of a hybrid pool (the sliding group's
+    removals too), on none of a single group's (its wire bytes unchanged)."""
+    bm = hybrid_bm(12)
+    seq = make_seq(prompt(24))
+    bm.allocate(seq)
+    compute(bm, seq, 24)
+    stored = bm.take_events()
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, len(e.block_hashes))
+            for e in stored] == [(0, "full_attention", None, 6), (1, "sliding_window", WINDOW, 6)]
+    assert stored[1].block_hashes == stored[0].block_hashes  # one chain of hashes, two groups
+    bm.free(seq)
+    bm.allocate(make_seq(prompt(20, 5000)))  # 10 blocks: evicts cached blocks of both groups
+    assert {e.group_idx for e in bm.take_events() if type(e).__name__ == "BlockRemoved"} == {0, 1}
+    single = BlockManager(12, BS)
+    seq = make_seq(prompt(24))
+    single.allocate(seq)
+    compute(single, seq, 24)
+    (event,) = single.take_events()
+    assert (event.group_idx, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (
+        None, None, None)

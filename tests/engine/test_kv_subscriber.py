@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from atom.core.block_manager import BlockManager
-from atom.kv_events import (AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventPublisher,
-                            removed_event, stored_event, to_wire_hash)
+from atom.kv_events import (AllBlocksCleared, BlockRemoved, GroupFields, KVEventBatch,
+                            KVEventPublisher, removed_event, stored_event, to_wire_hash)
 from atom.engine.kv_subscriber import (KVCacheIndex, KVEventSubscriber, PublisherEndpoints,
                                 connectable_endpoint, wire_block_hashes)
 from atom.sampling_params import SamplingParams
@@ -105,6 +105,60 @@ def test_index_applies_events_per_rank_and_matches_prefixes():
     assert index.block_hashes(0) == wire([1, 3])
     index.apply(0, [AllBlocksCleared()])
     assert index.block_hashes(0) == frozenset() and index.block_hashes(1) == wire([1])
+
+
+def test_hybrid_events_name_their_group_and_the_index_keeps_groups_apart():
+    """A hybrid pool's events say the group the vLLM 0.32 way; one hash stored in both groups
+    and removed from the sliding one stays in the full one; the match needs the window's
+    sliding blocks before the hit (window 5, blocks of 4)."""
+    full, sliding = GroupFields(0, None), GroupFields(1, 5)
+    stored = stored_event([1], None, [0, 1, 2, 3], 4, sliding)
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == (
+        1, "sliding_window", 5)
+    assert stored_event([1], None, [0] * 4, 4, full).kv_cache_spec_kind == "full_attention"
+    assert removed_event([1], sliding).group_idx == 1
+    index = KVCacheIndex([0])
+    prompt = [to_wire_hash(h) for h in (1, 2, 3, 4, 5)]  # a prompt's chained hashes, in order
+    index.apply(0, [stored_event([1, 2, 3, 4], None, list(range(16)), 4, full),
+                    stored_event([1, 2, 3, 4], None, list(range(16)), 4, sliding)])
+    assert index.longest_prefix_match(prompt) == {0: 4}
+    index.apply(0, [removed_event([1, 2], sliding)])  # the window released them
+    assert index.block_hashes(0) == wire([1, 2, 3, 4])
+    assert index.longest_prefix_match(prompt) == {0: 4}  # needs blocks 2, 3
+    index.apply(0, [removed_event([4], sliding)])
+    assert index.longest_prefix_match(prompt) == {0: 3}  # 2 needs 1: gone
+    index.apply(0, [removed_event([3], full)])  # the full chain stops at 2 blocks, whose
+    # window (keys from token 4) needs sliding block 1, gone; 1 block needs block 0, gone
+    assert index.longest_prefix_match(prompt) == {0: 0}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_index_counts_the_block_managers_own_hybrid_hits(seed):
+    """Over a random hybrid workload (tests/core/test_scheduler.py's), the index the events
+    rebuild gives every probe prompt the hit the block manager itself would give it."""
+    from tests.core.test_scheduler import Driver, make_scheduler, make_seq, prompt
+
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=24, max_num_seqs=3, max_num_batched_tokens=8,
+                           max_model_len=48, group_windows=(None, 6))
+    bm, index, driver = sched.block_manager, KVCacheIndex([0]), Driver(sched)
+    bases = [prompt(36, 1000 * k) for k in range(2)]
+    num_hits = 0
+    for i in range(60):
+        if rng.random() < 0.3:
+            sched.add(make_seq(rng.choice(bases)[:rng.randint(4, 30)] + [7], f"q{i}",
+                               max_tokens=rng.randint(1, 6)))
+        if sched.has_unfinished():
+            driver.step()
+        index.apply(0, bm.take_events())
+        for base in bases:
+            probe = make_seq(base[:rng.randint(2, 36)], "probe")
+            num_blocks = (len(probe.token_ids) - 1) // bm.block_size
+            expected = bm.find_cached(probe)[0]
+            hashes = [to_wire_hash(h) for h in bm.block_hashes(probe, num_blocks)]
+            assert index.longest_prefix_match(hashes) == {0: expected}, (i, len(probe.token_ids))
+            num_hits += expected > 0
+    assert num_hits > 0
 
 
 def test_wire_block_hashes_match_the_block_manager():

@@ -5,12 +5,11 @@ the error naming both layouts."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from atom.sampling_params import SamplingParams
 from atom.messages import KVTransferParams
+from tests.entrypoints.pd_utils import run_engines
 from tests.moe_utils import build_tiny_deepseek, engine_parity_prompts
 from tests.utils import save_tiny_llama
 
@@ -26,21 +25,6 @@ def _engine(folder, **options):
                                               num_threads=1, skip_tokenizer_init=True, **options))
 
 
-def _run(engines, requests) -> dict:
-    """Add ``requests`` ((engine, id, prompt, params, kv_transfer_params)) and step every
-    engine until all are done; returns the finished outputs by id."""
-    for engine, request_id, prompt, params, kv in requests:
-        engine.add_request(request_id, prompt, params, kv_transfer_params=kv)
-    finished = {}
-    deadline = time.monotonic() + 60.0  # liveness only
-    while len(finished) < len(requests):
-        assert time.monotonic() < deadline, finished
-        for engine in engines:
-            if engine.has_unfinished_requests():
-                finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    return finished
-
-
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek-v3")
@@ -52,7 +36,7 @@ def producer(tmp_path_factory):
 
 def _prefill(producer_engine, prompts) -> list[KVTransferParams]:
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    done = _run([producer_engine], [(producer_engine, f"p{i}", p, first,
+    done = run_engines([producer_engine], [(producer_engine, f"p{i}", p, first,
                                      KVTransferParams(do_remote_decode=True))
                                     for i, p in enumerate(prompts)])
     return [done[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
@@ -61,12 +45,12 @@ def _prefill(producer_engine, prompts) -> list[KVTransferParams]:
 def test_deepseek_producer_and_consumer_give_the_colocated_tokens(producer):
     folder, engine = producer
     prompts = engine_parity_prompts()[:4]
-    colocated = _run([engine], [(engine, f"c{i}", p, PARAMS, None)
+    colocated = run_engines([engine], [(engine, f"c{i}", p, PARAMS, None)
                                 for i, p in enumerate(prompts)])
     params = _prefill(engine, prompts)
     consumer = _engine(folder, kv_role="consumer")
     try:
-        got = _run([engine, consumer], [(consumer, f"d{i}", p, PARAMS, kv)
+        got = run_engines([engine, consumer], [(consumer, f"d{i}", p, PARAMS, kv)
                                         for i, (p, kv) in enumerate(zip(prompts, params))])
         stats = consumer.get_stats()
     finally:
@@ -86,7 +70,7 @@ def test_llama_consumer_of_a_deepseek_producer_is_refused(producer, tmp_path):
     (params,) = _prefill(engine, [prompt])
     consumer = _engine(tmp_path, kv_role="consumer")
     try:
-        out = _run([engine, consumer], [(consumer, "d", prompt, PARAMS, params)])["d"]
+        out = run_engines([engine, consumer], [(consumer, "d", prompt, PARAMS, params)])["d"]
     finally:
         consumer.shutdown()
     error = out.outputs[0].error

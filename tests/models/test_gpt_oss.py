@@ -233,7 +233,6 @@ def test_default_layer_types_alternate_and_default_rope_is_plain(family):
 
 
 @pytest.mark.parametrize("options, has_full_group, match", [
-    (dict(kv_role="producer"), True, "P/D"),
     (dict(speculative_method="draft", num_speculative_tokens=2, draft_num_layers=1), True,
      "draft model"),
     (dict(kv_events_endpoint="tcp://127.0.0.1:0"), False, "KV events"),

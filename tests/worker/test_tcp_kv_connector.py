@@ -25,10 +25,13 @@ from atom.core.sequence import FinishReason, Sequence, SequenceStatus
 BS = 4
 
 
-def make_scheduler(role: str, num_blocks: int = 16) -> Scheduler:
+def make_scheduler(role: str, num_blocks: int = 16, *,
+                   group_windows: tuple[int | None, ...] = (None,)) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
-    connector = KVConnectorScheduler(role, block_size=BS, host="127.0.0.1", port=5555)
-    return Scheduler(config, BlockManager(num_blocks, BS), eos_token_ids=(2,), connector=connector)
+    connector = KVConnectorScheduler(role, block_size=BS, host="127.0.0.1", port=5555,
+                                     group_windows=group_windows)
+    return Scheduler(config, BlockManager(num_blocks, BS, group_windows=group_windows),
+                     eos_token_ids=(2,), connector=connector)
 
 
 def consumer_seq(prompt: list[int], remote_block_ids: list[int], request_id: str = "c") -> Sequence:
@@ -134,6 +137,50 @@ def test_producer_frees_at_once_when_the_first_token_ends_the_request():
     sched.update_from_output(sched.schedule(), ModelRunnerOutput.from_tokens({seq.seq_id: 2}))
     assert seq.finish_reason is FinishReason.STOP and seq.kv_transfer_params is None
     assert sched.block_manager.num_used_blocks == 0 and not sched.kv_kept
+
+
+def test_hybrid_producer_keeps_and_consumer_loads_only_the_window():
+    """Window 4, blocks of 4, a 10-token prompt (kv_connector's docstring diagram): token 10's
+    query sees keys 7..10, so the sliding group moves blocks 1 and 2 and the consumer holds
+    none before them; every block comes back on both sides."""
+    from atom.core.kv_connector import KVConnectorOutput
+
+    producer = make_scheduler("producer", group_windows=(None, 4))
+    seq = Sequence("p", list(range(10, 20)), SamplingParams(max_tokens=1, temperature=0))
+    seq.kv_transfer_params = KVTransferParams(do_remote_decode=True)
+    producer.add(seq)
+    producer.update_from_output(producer.schedule(), ModelRunnerOutput.from_tokens({seq.seq_id: 42}))
+    params = seq.kv_transfer_params
+    sliding = seq.group_block_tables[0]
+    assert sliding[0] is None and params.remote_group_block_ids == [sliding[1:3]]
+    assert producer.connector.build_connector_meta().keeps == [
+        KeepSpec("p", seq.block_table, [sliding[1:3]])]
+
+    consumer = make_scheduler("consumer", group_windows=(None, 4))
+    remote = msgspec.structs.replace(params, remote_request_id="p")
+    c = Sequence("c", list(range(10, 20)), SamplingParams(max_tokens=3, temperature=0))
+    assert consumer.attach_kv_transfer_params([c], remote, vocab_size=100) is None
+    consumer.add(c)
+    out = consumer.schedule()
+    assert c.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
+    table = c.group_block_tables[0]
+    assert table[0] is None and None not in table[1:] and len(table) == 3
+    assert consumer.block_manager.num_used_blocks == 3 + 2  # 3 full, 2 sliding
+    [load] = out.kv_connector_metadata.loads
+    assert (load.remote_block_ids, load.local_block_ids) == (params.remote_block_ids, c.block_table)
+    assert (load.remote_group_block_ids, load.local_group_block_ids) == (
+        params.remote_group_block_ids, [table[1:3]])
+    consumer.update_from_kv_connector_output(KVConnectorOutput(finished_recving={"c"}))
+    assert c.num_computed_tokens == 10 and c.group_block_tables[0] == table
+    consumer.finish(c, FinishReason.ABORT)
+    producer.update_from_kv_connector_output(KVConnectorOutput(finished_sending={"p"}))
+    for sched in (producer, consumer):
+        assert sched.block_manager.num_used_blocks == 0
+        sched.block_manager.check_invariants()
+    # a consumer with one group refuses a hybrid producer's params in one line
+    error = make_scheduler("consumer").connector.check_request(
+        remote, num_prompt_tokens=10, n=1)
+    assert "KV cache group" in error and "\n" not in error
 
 
 def test_check_request_refuses_mismatched_params():
@@ -306,3 +353,15 @@ def test_cancelled_pull_reports_nothing_and_releases_the_producer(producer):
         assert not any(c.any() for c in consumer.kv_caches)
     finally:
         consumer.close()
+
+
+def test_models_without_groups_keep_their_wire_bytes():
+    """The KV cache groups' fields are left off the wire when empty: a model without sliding
+    layers sends the bytes it always sent."""
+    from atom.worker.tcp_kv_connector import Pull, _encoder
+
+    assert _encoder.encode(Pull("r", [1, 2])) == msgspec.msgpack.encode(
+        {"type": "pull", "request_id": "r", "block_ids": [1, 2]})
+    params = KVTransferParams(do_remote_prefill=True, remote_block_ids=[3], remote_num_tokens=4)
+    assert b"remote_group_block_ids" not in msgspec.json.encode(params)
+    assert b"remote_group_block_ids" not in msgspec.msgpack.encode(params)
