@@ -6,7 +6,10 @@ ranks, each rank reading only its own from the checkpoint, under the coalescer p
 and cache-aware routing (fed by every rank's KV events): greedy tokens and top-5 logprobs equal
 one rank's (and one rank's equal transformers'), with every request on rank 0 (rank 1 steps
 dummy batches through every MoE collective) and spread over both; prefill steps split into two
-micro-batches (TBO), decode steps unsplit; both ranks issue the same collectives.
+micro-batches (TBO), decode steps unsplit; both ranks issue the same collectives. On two KV
+cache groups (full, sliding) with blocks of 4 tokens, a pool small enough that rank 0 preempts
+when it holds every request, prefills in chunks of 16 tokens, and the spread run hitting the
+prefix cache the first run filled.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ def test_experts_over_two_ranks_with_tbo_match_one_rank(folder_and_references):
     check_greedy_close(one_rank, transformers, name="tiny gpt-oss, one rank")
     stats = run_on_two_ep_ranks(folder, prompts, enable_tbo=True, name="tiny gpt-oss",
                                 reference=one_rank, prefill_policy="coalescer",
-                                dp_load_balance="cache_aware")
+                                dp_load_balance="cache_aware", block_size=4, num_kv_blocks=40,
+                                max_num_batched_tokens=16)
+    assert stats[0]["num_preemptions"] > 0  # rank 0 alone could not hold every request
+    assert sum(s["prefix_cache_hits"] for s in stats) > 0
     assert stats[1]["num_dummy_steps"] > 0  # rank 1 stepped dummy batches while pinned
     # prefills split into micro-batches, decodes not: both forms ran under EP
     assert 0 < stats[0]["num_tbo_steps"] < stats[0]["num_steps"]
