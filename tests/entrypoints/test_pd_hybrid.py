@@ -9,7 +9,8 @@ seven windows long) through the real TCP connector:
   the consumer's first query's window; the consumer never holds a sliding block before its
   window, and every block is back on both sides after the requests finish and after an
   abort right after admission;
-- a consumer whose layers group differently (every layer full) is refused in one line.
+- a consumer whose layers group differently (every layer full) is refused in one line;
+- a producer and a consumer of two expert-parallel DP ranks each give the same tokens.
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ LAYER_TOKEN_BYTES = 2 * GPT_OSS["num_key_value_heads"] * GPT_OSS["head_dim"] * 4
 
 
 def _engine(folder, **options):
+    """An in-process engine, or with ``data_parallel_size`` one over real rank processes."""
     from atom.config import EngineConfig
     from atom.engine.llm_engine import LLMEngine
+    from atom.entrypoints.llm import build_engine
 
-    return LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32",
-                                              num_kv_blocks=96, block_size=BS, max_model_len=128,
-                                              max_num_batched_tokens=16, num_threads=1,
-                                              skip_tokenizer_init=True, **options))
+    config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", num_kv_blocks=96,
+                                      block_size=BS, max_model_len=128,
+                                      max_num_batched_tokens=16, num_threads=1,
+                                      skip_tokenizer_init=True, **options)
+    return build_engine(config) if config.data_parallel_size > 1 else LLMEngine(config)
 
 
 def _check_windows(engine) -> None:
@@ -73,7 +77,8 @@ def _wait_all_free(engine) -> dict:
         stats = engine.get_stats()
         if stats["num_free_blocks"] == stats["num_total_blocks"] or time.monotonic() > deadline:
             return stats
-        engine.core.step()  # an idle core still collects the connector's results
+        if engine.core is not None:  # in process: an idle core still collects the connector's
+            engine.core.step()       # results (rank processes do so in their own loops)
         time.sleep(0.01)
 
 
@@ -147,3 +152,35 @@ def test_a_consumer_grouped_differently_is_refused(gpt_oss, tmp_path):
     error = out.outputs[0].error
     assert out.outputs[0].finish_reason == "error", out
     assert "KV cache group" in error and "\n" not in error, error
+
+
+def test_two_ep_ranks_on_each_side_match_transformers(gpt_oss):
+    """The same transfer between a producer and a consumer of two expert-parallel DP ranks
+    each (real rank processes; the router spreads the prompts, each consumer rank pulls from
+    the producer rank that prefilled): tokens and top-5 logprobs as transformers', every
+    block back on both sides."""
+    folder, hf_model, _ = gpt_oss
+    prompts = engine_parity_prompts()[:4]
+    reference = hf_greedy(hf_model, prompts, PARAMS.max_tokens)
+    dp = dict(data_parallel_size=2, enable_expert_parallel=True)
+    producer = _engine(folder, kv_role="producer", **dp)
+    try:
+        consumer = _engine(folder, kv_role="consumer", **dp)
+        try:
+            params, first_logprobs = _prefill(producer, prompts, "p")
+            done = run_engines([producer, consumer], [(consumer, f"d{i}", p, PARAMS, kv)
+                                                      for i, (p, kv) in enumerate(zip(prompts, params))])
+            consumer_stats = _wait_all_free(consumer)
+        finally:
+            consumer.shutdown()
+        producer_stats = _wait_all_free(producer)
+    finally:
+        producer.shutdown()
+    ours = ours_greedy([done[f"d{i}"] for i in range(len(prompts))])
+    for result, logprobs in zip(ours, first_logprobs):  # the first token's are the producer's
+        result.top_logprobs.insert(0, logprobs)
+    check_greedy_close(ours, reference, name="tiny gpt-oss, P/D, DP 2 + EP")
+    assert_logprobs_close(ours, reference)
+    assert consumer_stats["kv_transfer_bytes"] > 0  # the prompts' KV came over the wire
+    assert consumer_stats["num_free_blocks"] == consumer_stats["num_total_blocks"]
+    assert producer_stats["num_free_blocks"] == producer_stats["num_total_blocks"]
