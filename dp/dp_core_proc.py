@@ -373,6 +373,12 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.expert_parallel is not None:
                 self.expert_parallel.begin_step(shapes.max_num_draft_seqs)
             core.run_drafts(sched, num_steps=shapes.max_num_draft_steps)
+            if self.trace is not None:  # for the simulator to replay (atom.dp.sim.workload)
+                drafts = {seq.request_id: list(seq.spec_token_ids) for seq, _ in sched.scheduled
+                          if seq.spec_token_ids}
+                if drafts:
+                    self.trace.write_event({"event": "drafts", "tick": self.tick - 1,
+                                            "drafts": drafts})
         if self.expert_parallel is not None:
             self.expert_parallel.begin_step(shapes.max_num_tokens)
         tbo = self.counters.count_step(shapes, is_dummy=sched.is_empty)

@@ -13,7 +13,9 @@ With EPLB a row also has the last closed window's balancedness, this rank's per-
 tokens of the step and the time its experts computed (:data:`EPLB_COLUMNS`). Besides rows, a file may hold events (JSON
 objects with an ``event`` key, e.g. the ``membership_change`` a group started after a rank
 failure writes at its tick 0, or EPLB's ``eplb_window`` at the end of each interval: the
-window's balancedness, its load per expert, whether it rebalanced, the new placement).
+window's balancedness, its load per expert, whether it rebalanced, the new placement; a model
+draft's ``drafts`` each tick it drafted: request id → the draft tokens it proposed, which
+the simulator replays, :func:`atom.dp.sim.workload.drafts_from_trace`).
 
 Each start of the group (its generation, ``TORCHELASTIC_RESTART_COUNT``: 0 first, + 1 per
 recovery or launcher restart) writes a folder of its own: ``FOLDER`` for the first,

@@ -11,8 +11,10 @@ rank, with the two all-gathers replaced by gathering the same values in memory:
 3. the deployment's :class:`~atom.dp.prefill_policy.PrefillDecider` decides once (its state
    is identical on every rank, so one object serves the group), then every rank's
    ``EngineCore.schedule(allow_prefill=...)`` (n-gram drafts included);
-4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; every
-   rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
+4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; a
+   model-based draft's proposals (MTP, early exit: a real run's, replayed by the
+   :class:`~atom.dp.sim.rank.SimWorker`) fill the reserved slots (``EngineCore.run_drafts``);
+   every rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
 5. the forward is the cost model (:class:`~atom.dp.sim.cost_model.CostModel`): the clock
    advances by the group's step; every rank's real ``EngineCore.execute`` completes its step
    (its :class:`~atom.dp.sim.rank.SimWorker` emits the workload's tokens, its scheduler's
@@ -192,8 +194,16 @@ class Simulator:
         """
         scripts = {r.request_id: r.output_token_ids for r in workload
                    if r.output_token_ids is not None}
+        drafts = {r.request_id: r.draft_token_ids for r in workload
+                  if r.draft_token_ids is not None}
+        if self.ranks[0].core.worker.proposes_drafts and not drafts:
+            raise ValueError(f"speculative_method={self.config.speculative_method!r} has no "
+                             f"model to draft with here: give the workload a real run's "
+                             f"recorded drafts (workload.with_drafts(requests, "
+                             f"workload.drafts_from_trace(its --dp-trace folder)))")
         for rank in self.ranks:  # what each request emits (TraceRequest.output_token_ids)
-            rank.core.worker.scripts = scripts
+            rank.core.worker.scripts = scripts  # and drafts (.draft_token_ids)
+            rank.core.worker.drafts = drafts
         if workload_clock(workload) == "tick":
             for request in sorted(workload, key=lambda r: r.arrival_tick):
                 self._dispatch(request).arrivals.hold(request.arrival_tick, request)
@@ -232,8 +242,12 @@ class Simulator:
         scheds = [r.core.schedule(allow_prefill=decision.allow, defer_drafts=True)
                   for r in self.ranks]
         shapes = GatheredBatchShape.from_shapes([
-            batch_shape(s, tbo_eligible=r.core.tbo_eligible(s))
+            batch_shape(s, tbo_eligible=r.core.tbo_eligible(s),
+                        num_draft_tokens=r.core.num_draft_tokens(s))
             for r, s in zip(self.ranks, scheds)])
+        if shapes.max_num_draft_steps:  # a model draft's proposals (replayed), after the exchange
+            for r, s in zip(self.ranks, scheds):
+                r.core.run_drafts(s, num_steps=shapes.max_num_draft_steps)
         tbo = [c.count_step(shapes, is_dummy=s.is_empty)
                for c, s in zip(self.counters, scheds)][0]
         start_s = self.now_s
