@@ -324,13 +324,16 @@ class DPEngineCoreProc(EngineCoreProc):
             check_lockstep(log, self.groups.control)
         decision = self.prefill.decide(gathered, self._last_shapes)
         sched = core.schedule(allow_prefill=decision.allow, defer_drafts=True)
+        if self.trace is not None:
+            from atom.dp.dp_trace import spec_counts, spec_since, tick_row
+
+            spec_before = spec_counts(core.scheduler)
         shapes = self._last_shapes = self._step(sched)  # the next tick's previous_shapes
         if self.trace is not None:
-            from atom.dp.dp_trace import tick_row
-
+            spec = spec_since(core.scheduler, spec_before)
             self.trace.write(tick_row(dp_rank=self.dp_rank, gathered=gathered, decision=decision,
                                       shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
-                                      end_ns=time.perf_counter_ns(), eplb=self.eplb))
+                                      end_ns=time.perf_counter_ns(), eplb=self.eplb, spec=spec))
         return False
 
     def _log_membership_change(self, gathered) -> None:

@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from atom.config import EngineConfig
-from atom.dp.dp_trace import format_row, tick_row, trace_header
+from atom.dp.dp_trace import format_row, spec_counts, spec_since, tick_row, trace_header
 from atom.dp.prefill_decision import Decision
 from atom.dp.prefill_policy import make_prefill_decider
 from atom.dp.router import CacheAwareSettings, DPRouter
@@ -258,11 +258,13 @@ class Simulator:
         self.step_log.append((self.tick - 1, cost))
         self.now_s += cost.total_s
         ends_s = [start_s + done for done in cost.rank_done_s]
+        spec_before = [spec_counts(r.scheduler) for r in self.ranks]
         self._complete(scheds, ends_s, tbo=tbo)
+        spec = [spec_since(r.scheduler, before) for r, before in zip(self.ranks, spec_before)]
         self.last_shapes = shapes
         window = None if self.experts is None else self.experts.end_step(self.tick - 1)
         if self.trace is not None:
-            self._trace(gathered, decision, shapes, start_s, ends_s)
+            self._trace(gathered, decision, shapes, start_s, ends_s, spec)
             if window is not None:
                 self.trace.write_event(window.event(tick=self.tick - 1,
                                                     phy2log=self.experts.controller.plan.phy2log))
@@ -295,7 +297,8 @@ class Simulator:
         self.last_shapes = None
 
     def _trace(self, gathered: GatheredControl, decision: Decision, shapes: GatheredBatchShape,
-               start_s: float, ends_s: list[float]) -> None:
+               start_s: float, ends_s: list[float],
+               spec: list[tuple[int, int] | None]) -> None:
         """Every rank's row as a real rank writes it: the tick starts when the rank's last step
         ended (the group's start after an idle gap), its sync ends with the group's (a rank
         that finished early waits there), its step ends with its own forward."""
@@ -307,7 +310,7 @@ class Simulator:
                                          shapes=shapes, start_ns=round(starts[r] * 1e9),
                                          synced_ns=synced_ns, end_ns=round(ends_s[r] * 1e9),
                                          eplb=None if self.experts is None
-                                         else self.experts.row(r)))
+                                         else self.experts.row(r), spec=spec[r]))
         self._rank_ends_s = ends_s
 
     def close(self) -> None:

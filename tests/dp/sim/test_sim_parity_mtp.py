@@ -4,7 +4,8 @@ layer (tests/moe_utils.py), and its simulation, where the :class:`~atom.dp.sim.r
 proposes the drafts the real run recorded in its DP trace (``drafts`` events,
 :func:`atom.dp.sim.workload.drafts_from_trace`) and emits the real run's tokens, so every
 verify accepts as many drafts as the real one did. Every trace column but the clocks and the
-collective log is equal row by row on every rank, and so are the step counters (speculative
+collective log (the spec columns too: verifies and accepted drafts per rank and tick) is equal
+row by row on every rank, and so are the step counters (speculative
 steps included) — the same comparison as tests/dp/sim/test_sim_parity.py, on a smaller
 workload of the tiny model's vocabulary."""
 
@@ -48,11 +49,18 @@ def test_simulated_mtp_steps_equal_the_real_run(folder, tmp_path):
     real_trace = assert_traces_equal(tmp_path / "real", tmp_path / "sim",
                                      num_steps=real["num_steps"])
     assert {k: real[k] for k in COUNTERS} == {k: sim[k] for k in COUNTERS}
-    # what the run exercises: drafts on both ranks, some accepted and some rejected
+    # what the run exercises: drafts on both ranks (k > 1 per verify), some accepted and some
+    # rejected; the trace's spec columns (equal above, tick by tick) count them
     assert real["num_spec_steps"] > 0
-    assert {e["tick"] for t in real_trace for e in t.events if e["event"] == "drafts"}
     proposed = [d for per_request in drafts.values() for d in per_request]
-    assert sum(len(d) for d in proposed) > len(proposed)  # k > 1 drafts per verify
+    assert sum(len(d) for d in proposed) > len(proposed)
+    for trace in real_trace:
+        verifies = sum(row["spec_num_verifies"] for row in trace.rows)
+        accepted = sum(row["spec_num_accepted_tokens"] for row in trace.rows)
+        drafted = sum(len(e["drafts"][i]) for e in trace.events if e["event"] == "drafts"
+                      for i in e["drafts"])
+        assert verifies == sum(len(e["drafts"]) for e in trace.events if e["event"] == "drafts")
+        assert 0 < accepted < drafted, (trace.dp_rank, accepted, drafted)
 
 
 def test_a_model_draft_without_recorded_drafts_is_an_error():
