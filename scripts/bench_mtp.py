@@ -4,7 +4,7 @@ speed-up on a small DeepSeek-V3-shaped model whose MTP layer is *trained* here.
 Random MTP weights accept almost no draft, so the script makes one that predicts something:
 
 1. **model** — a DeepSeek-V3 built by transformers (random weights, seeded, fp32, no hub
-   download: :data:`MODEL`, hidden 768, 8 layers of which the first dense, MLA, 8 routed experts
+   download: :data:`MODEL`, hidden 512, 16 layers of which the first dense, MLA, 8 routed experts
    top-2 + one shared, vocabulary 1024), its residual branches' output projections scaled by
    ``--branch-scale`` (0.001). A plain random model's next token is a hash of its whole context
    (measured: the previous token alone predicts under 10 % of it, and a drafter trained for
@@ -60,9 +60,9 @@ from bench_common import cpu_description, write_json_report  # noqa: E402
 #: the target: DeepSeek-V3's structure (MLA with a low-rank query, sigmoid routing with the
 #: selection bias, group-limited top-k, a shared expert, a dense first layer) at a size where a
 #: forward costs something on a CPU core
-MODEL = dict(vocab_size=1024, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
-             num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=8,
-             num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_rope_head_dim=16,
+MODEL = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+             num_hidden_layers=16, first_k_dense_replace=1, num_attention_heads=8,
+             num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=16,
              qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
              num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True,
              routed_scaling_factor=2.5, max_position_embeddings=1024, initializer_range=0.2,
@@ -415,11 +415,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=pathlib.Path(os.environ.get("ATOM_CACHE_DIR",
                                                             pathlib.Path.home() / ".cache" / "atom"))
                         / "bench_mtp", help="where the trained model folder is cached")
-    parser.add_argument("--train-seconds", type=float, default=240.0, help="training time (240)")
+    parser.add_argument("--train-seconds", type=float, default=180.0, help="training time (180)")
     parser.add_argument("--branch-scale", type=float, default=0.001,
                         help="the target's residual branches' scale (0.001; 1: plain random)")
-    parser.add_argument("--num-train-prompts", type=int, default=512,
-                        help="training prompts (512)")
+    parser.add_argument("--num-train-prompts", type=int, default=768,
+                        help="training prompts (768)")
     parser.add_argument("--train-len", type=int, default=80,
                         help="greedy tokens per training prompt (80)")
     parser.add_argument("--num-train-threads", type=int, default=2, help="torch threads (2)")
