@@ -109,14 +109,15 @@ def bigram_hit_rate(train_sequences, prompts, outputs) -> float:
 
 # ----- 1. the target, 2. its own continuations -----
 
-def build_target(folder: pathlib.Path, *, branch_scale: float):
-    """The target, saved to ``folder``: every residual branch's output projection
-    (attention ``o_proj``, the MLPs' and experts' ``down_proj``) scaled by ``branch_scale``."""
+def build_target(folder: pathlib.Path, *, branch_scale: float, config: dict | None = None):
+    """The target (:data:`MODEL`, or ``config``), saved to ``folder``: every residual
+    branch's output projection (attention ``o_proj``, the MLPs' and experts' ``down_proj``)
+    scaled by ``branch_scale``."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**MODEL)).eval()
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**(config or MODEL))).eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
