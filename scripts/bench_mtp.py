@@ -403,7 +403,7 @@ def print_table(all_results: dict[str, dict], args, facts: dict) -> None:
           f"{'accept':>7} {'tok/fwd':>7} {'rep4':>5} {'same':>6}")
     for setup, results in all_results.items():
         for m, r in results.items():
-            pos = "/".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
+            pos = "/".join(fmt(a) for a in r["acceptance_per_position"]) or "-"
             print(f"{setup:<14} {m:<10} {r['output_tokens_per_s']:>7.1f} "
                   f"{fmt(r['ratio_vs_off']):>7} {pos:>18} {fmt(r['acceptance_rate'], '{:.3f}'):>7} "
                   f"{r['mean_acceptance_length']:>7.2f} {r['rep4']:>5.2f} "
