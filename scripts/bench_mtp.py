@@ -8,32 +8,35 @@ Random MTP weights accept almost no draft, so the script makes one that predicts
    top-2 + one shared, vocabulary 1024), its residual branches' output projections scaled by
    ``--branch-scale`` (0.001). A plain random model's next token is a hash of its whole context
    (measured: the previous token alone predicts under 10 % of it, and a drafter trained for
-   minutes learns nothing that carries to new prompts); scaled by 0.003, about half of the
-   target's next token follows from the previous token, by 0.001 about four fifths, as a
-   trained model's text mostly follows from its recent tokens. The
-   table's ``bigram`` line says how much: the share of the spec-off output that the training
-   data's most frequent successor of the previous token predicts;
+   minutes learns nothing that carries to new prompts); scaled by 0.001, about 55-60 % of this
+   target's next token follows from the previous token, a stand-in for a trained model's text
+   following mostly from its recent tokens. The ``bigram`` line says how much: the share of
+   the spec-off output that the training data's most frequent successor of the previous token
+   predicts;
 2. **self-distillation data** — the target's own greedy continuations (atom, spec off) of
    random *training* prompts (seeded apart from the benchmark's prompts);
 3. **training** — the MTP layer (``enorm``, ``hnorm``, ``eh_proj``, one decoder block,
    ``shared_head.norm``; the embedding and head are the target's, frozen) with plain torch
    autograd for ``--train-seconds``: at position ``p`` it reads the target's last hidden state
    ``h_p`` *after the final norm* (what atom feeds it, :mod:`atom.models.deepseek_mtp`) and the
-   embedding of ``t_{p+1}``, and is fitted to the target's distribution of ``t_{p+2}`` (soft
-   cross-entropy against the target's logits at ``p + 1``); a second pass feeds its own output
-   back as the hidden state (as drafts 2 .. k do). The block is transformers'
+   embedding of ``t_{p+1}``, and is fitted to the target's greedy ``t_{p+2}`` (cross-entropy
+   against the argmax of the target's logits at ``p + 1``: greedy verification accepts only
+   that); a second pass feeds its own output back as the hidden state (as drafts 2 .. k do),
+   with half the weight. An eighth of the sequences (at most 32) is held out: the log's
+   draft-1 top-1 agreement on them is the layer's acceptance on unseen text, roughly. The block is transformers'
    ``DeepseekV3DecoderLayer`` (initialised from the target's last layer), written at the
    checkpoint's names ``model.layers.{num_hidden_layers}.*`` with
    ``num_nextn_predict_layers: 1``. The trained folder is cached in ``--work-dir`` (default
    ``~/.cache/atom/bench_mtp/<hash of the settings>``): a rerun skips steps 1-3;
-4. **benchmark** — the benchmark prompts (greedy, ``ignore_eos``) on spec off, mtp k = 1 and
-   k = 3 (and n-gram k = 3, the free baseline a looping text favours), each its own engine, all
-   open at once, run ``--rounds`` times in alternating order; on one rank, then on DP = 2 with
+4. **benchmark** — the benchmark prompts (greedy, ``ignore_eos``, run together) on spec off,
+   mtp k = 1 and k = 3 (and n-gram k = 3, the free baseline a looping text favours), each its
+   own engine, all open at once, run ``--rounds`` times in alternating order (every round the
+   same prompts: the acceptance comes from ``--num-prompts`` distinct continuations); on one rank, then on DP = 2 with
    expert parallelism. Reported: acceptance per draft position, mean acceptance length
    (tokens per target forward of a verifying sequence), decode tokens/s and its ratio to spec
    off, and how many outputs equal spec off's token for token.
 
-A random target's greedy text tends to loop; the table's ``rep4`` column is the share of the
+A random target's greedy text may loop; the table's ``rep4`` column is the share of the
 outputs' 4-grams that already occurred earlier in the same output (0: no repetition), so a
 speed-up that only comes from loops is visible as such.
 
