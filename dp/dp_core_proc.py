@@ -324,13 +324,16 @@ class DPEngineCoreProc(EngineCoreProc):
             check_lockstep(log, self.groups.control)
         decision = self.prefill.decide(gathered, self._last_shapes)
         sched = core.schedule(allow_prefill=decision.allow, defer_drafts=True)
+        if self.trace is not None:
+            from atom.dp.dp_trace import spec_counts, spec_since, tick_row
+
+            spec_before = spec_counts(core.scheduler)
         shapes = self._last_shapes = self._step(sched)  # the next tick's previous_shapes
         if self.trace is not None:
-            from atom.dp.dp_trace import tick_row
-
+            spec = spec_since(core.scheduler, spec_before)
             self.trace.write(tick_row(dp_rank=self.dp_rank, gathered=gathered, decision=decision,
                                       shapes=shapes, start_ns=start_ns, synced_ns=synced_ns,
-                                      end_ns=time.perf_counter_ns(), eplb=self.eplb))
+                                      end_ns=time.perf_counter_ns(), eplb=self.eplb, spec=spec))
         return False
 
     def _log_membership_change(self, gathered) -> None:
@@ -373,6 +376,12 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.expert_parallel is not None:
                 self.expert_parallel.begin_step(shapes.max_num_draft_seqs)
             core.run_drafts(sched, num_steps=shapes.max_num_draft_steps)
+            if self.trace is not None:  # for the simulator to replay (atom.dp.sim.workload)
+                drafts = {seq.request_id: list(seq.spec_token_ids) for seq, _ in sched.scheduled
+                          if seq.spec_token_ids}
+                if drafts:
+                    self.trace.write_event({"event": "drafts", "tick": self.tick - 1,
+                                            "drafts": drafts})
         if self.expert_parallel is not None:
             self.expert_parallel.begin_step(shapes.max_num_tokens)
         tbo = self.counters.count_step(shapes, is_dummy=sched.is_empty)

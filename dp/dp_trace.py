@@ -10,10 +10,13 @@ as two micro-batches, and whether some rank prefilled (``any_prefill``) while an
 (``mixed``). A tick that ends a wave runs no step and writes no row. The rows of all ranks
 together hold the whole gathered matrix of every tick (each rank contributes its own row).
 With EPLB a row also has the last closed window's balancedness, this rank's per-slot routed
-tokens of the step and the time its experts computed (:data:`EPLB_COLUMNS`). Besides rows, a file may hold events (JSON
+tokens of the step and the time its experts computed (:data:`EPLB_COLUMNS`); with speculative
+decoding, its verifies and accepted draft tokens of the step (:data:`SPEC_COLUMNS`). Besides rows, a file may hold events (JSON
 objects with an ``event`` key, e.g. the ``membership_change`` a group started after a rank
 failure writes at its tick 0, or EPLB's ``eplb_window`` at the end of each interval: the
-window's balancedness, its load per expert, whether it rebalanced, the new placement).
+window's balancedness, its load per expert, whether it rebalanced, the new placement; a model
+draft's ``drafts`` each tick it drafted: request id → the draft tokens it proposed, which
+the simulator replays, :func:`atom.dp.sim.workload.drafts_from_trace`).
 
 Each start of the group (its generation, ``TORCHELASTIC_RESTART_COUNT``: 0 first, + 1 per
 recovery or launcher restart) writes a folder of its own: ``FOLDER`` for the first,
@@ -57,14 +60,32 @@ SHAPE_COLUMNS = ("num_tokens", "num_seqs", "num_prefill_tokens", "num_decode_seq
 # [MoE layer, physical slot] in the step (flattened; only while the window records) and the µs
 # its experts computed in the step (wall clock); else None
 EPLB_COLUMNS = ("eplb_balancedness", "eplb_load", "eplb_expert_us")
+# with speculative decoding: this rank's verifies (sequences that scored drafts) and accepted
+# draft tokens in the step (its scheduler's SpecStats, atom.core.spec_stats); else None
+SPEC_COLUMNS = ("spec_num_verifies", "spec_num_accepted_tokens")
 TRACE_COLUMNS = ("tick", "wave_id", "start_us", "sync_us", "step_us", *CONTROL_COLUMNS,
                  "allow", "reason", "num_consecutive_holds",
                  *(f"step_{c}" for c in SHAPE_COLUMNS), "tbo", "any_prefill", "mixed",
-                 *EPLB_COLUMNS)  # rows map to the header's columns: older files lack these
+                 *EPLB_COLUMNS, *SPEC_COLUMNS)  # rows map to the header's columns: older
+# files lack the last ones
+
+
+def spec_counts(scheduler) -> tuple[int, int] | None:
+    """The scheduler's running totals of :data:`SPEC_COLUMNS` (None without speculation); a
+    step's values are the difference across it."""
+    stats = scheduler.spec_stats
+    return None if stats is None else (stats.num_verifies, stats.num_accepted_tokens)
+
+
+def spec_since(scheduler, before: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The step's :data:`SPEC_COLUMNS`: :func:`spec_counts` now minus ``before`` (taken
+    before the step); None without speculation."""
+    after = spec_counts(scheduler)
+    return None if after is None else (after[0] - before[0], after[1] - before[1])
 
 
 def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_ns: int,
-             end_ns: int, eplb=None) -> tuple:
+             end_ns: int, eplb=None, spec: tuple[int, int] | None = None) -> tuple:
     """One trace row (:data:`TRACE_COLUMNS`) from a stepping tick's values.
 
     Args:
@@ -77,6 +98,8 @@ def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_
         eplb: what has the EPLB columns: an :class:`~atom.dp.eplb.manager.EplbManager` (or the
             simulator's stand-in) with ``last_balancedness``, ``tick_load`` and ``expert_us``;
             None = off.
+        spec: this rank's :data:`SPEC_COLUMNS` of the step (:func:`spec_counts` after minus
+            before); None = no speculative decoding.
     """
     r = dp_rank
     prefill = shapes.has_prefill.tolist()  # plain Python on [world_size] lists: cheaper than
@@ -88,7 +111,8 @@ def tick_row(*, dp_rank: int, gathered, decision, shapes, start_ns: int, synced_
             *[getattr(shapes, c).item(r) for c in SHAPE_COLUMNS],
             all(shapes.tbo_eligible.tolist()), any_prefill, any_prefill and not all(prefill),
             *((None,) * len(EPLB_COLUMNS) if eplb is None
-              else (eplb.last_balancedness, eplb.tick_load, eplb.expert_us)))
+              else (eplb.last_balancedness, eplb.tick_load, eplb.expert_us)),
+            *((None,) * len(SPEC_COLUMNS) if spec is None else spec))
 
 
 def trace_header(*, dp_rank: int, dp_size: int, policy: str, wall_minus_perf_us: int,

@@ -25,6 +25,8 @@ from atom.sampling_params import SamplingParams
 
 #: the simulator has no tokenizer: every id of a workload is in its vocabulary
 SIM_VOCAB_SIZE = 1 << 31
+#: speculative methods whose drafts come from a model: replayed from a recording
+MODEL_DRAFTS = ("mtp", "draft")
 
 
 @dataclass
@@ -56,19 +58,29 @@ class SimWorker:
     drafts (n-gram speculation) keeps those that equal the tokens it would emit, then one
     more, as greedy verification does on a model that emits those tokens.
 
+    A model-based draft (``mtp``, ``draft``: ``proposes_drafts``) has no model here: each
+    drafting sequence proposes its request's next recorded proposal
+    (``TraceRequest.draft_token_ids``, a real run's, cut to the slots reserved), so it accepts
+    as many drafts as the real verify did, in the same steps.
+
     Args:
         runtime: the rank's pool and sequence limit (vocabulary and EOS ids unused).
         scripts: request id → the output tokens to emit (the simulator sets it from the
             workload's ``output_token_ids``).
+        proposes_drafts: replay a model-based draft's recorded proposals (the simulator sets
+            ``drafts`` from the workload's ``draft_token_ids``).
     """
 
-    proposes_drafts = False
     kv_transfer_port = None
 
     def __init__(self, runtime: EngineRuntime,
-                 scripts: dict[str, tuple[int, ...]] | None = None):
+                 scripts: dict[str, tuple[int, ...]] | None = None, *,
+                 proposes_drafts: bool = False):
         self.runtime = runtime
         self.scripts = scripts or {}
+        self.proposes_drafts = proposes_drafts
+        self.drafts: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._num_proposed: dict[str, int] = {}  # request id -> recorded proposals used
 
     def execute_model(self, sched: SchedulerOutput, *, two_batch_overlap: bool = False
                       ) -> ModelRunnerOutput:
@@ -88,11 +100,29 @@ class SimWorker:
     def execute_dummy_batch(self, *, two_batch_overlap: bool = False) -> None:
         pass
 
-    def propose_drafts(self, seqs, max_num_tokens, *, num_steps=None) -> list[list[int]]:
-        raise NotImplementedError("the simulator has no draft model")
+    def propose_drafts(self, seqs: list[Sequence], max_num_tokens: list[int], *,
+                       num_steps: int | None = None) -> list[list[int]]:
+        """Each sequence's next recorded proposal, cut to its reserved slots.
 
-    def num_draft_tokens(self, seqs) -> int:
-        raise NotImplementedError("the simulator has no draft model")
+        Raises:
+            RuntimeError: a sequence drafts more often than its request did in the recorded
+                run (the replay has left the recorded steps).
+        """
+        drafts = []
+        for seq, limit in zip(seqs, max_num_tokens):
+            recorded = self.drafts.get(seq.request_id, ())
+            index = self._num_proposed.get(seq.request_id, 0)
+            if index >= len(recorded):
+                raise RuntimeError(f"request {seq.request_id} drafts a {index + 1}th time; the "
+                                   f"recorded run drafted {len(recorded)} times for it")
+            self._num_proposed[seq.request_id] = index + 1
+            drafts.append(list(recorded[index][:limit]))
+        return drafts
+
+    def num_draft_tokens(self, seqs: list[Sequence]) -> int:
+        """One per drafting sequence: the draft forwards' size is not modelled (an MTP
+        catch-up runs several positions per sequence; only EP padding depends on it)."""
+        return len(seqs)
 
     def start_kv_transfers(self, meta: KVConnectorMetadata) -> None:
         pass
@@ -138,28 +168,25 @@ class SimRank:
 
     Args:
         config: the deployment's engine options (budgets, block size, prefix caching, TBO,
-            n-gram speculation).
+            speculation: n-gram, or a model-based draft replayed from the workload).
         dp_rank: this rank.
         num_kv_blocks: its KV pool (``config.resolved_num_kv_blocks`` of the model).
         kv_cache_group_windows: the model's KV cache groups (the profile's facts).
         max_model_len: ``config.resolved_max_model_len`` of the model.
         index: the router's KV index, fed this rank's KV events every step; None = off.
     Raises:
-        ValueError: ``config`` asks for a model-based draft (there is no model to run it).
     """
 
     def __init__(self, config: EngineConfig, *, dp_rank: int, num_kv_blocks: int,
                  max_model_len: int, index=None,
                  kv_cache_group_windows: tuple[int | None, ...] = (None,)):
-        if config.speculative_method not in (None, "ngram"):
-            raise ValueError(f"the simulator has no model to draft with: speculative_method="
-                             f"{config.speculative_method!r} cannot be simulated (use ngram)")
         self.dp_rank = dp_rank
         runtime = EngineRuntime(num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                                 vocab_size=SIM_VOCAB_SIZE, eos_token_ids=(), kv_cache_bytes=0,
                                 dtype="simulated",
                                 kv_cache_group_windows=kv_cache_group_windows)
-        self.core = EngineCore(config, SimWorker(runtime), dp_rank=dp_rank,
+        worker = SimWorker(runtime, proposes_drafts=config.speculative_method in MODEL_DRAFTS)
+        self.core = EngineCore(config, worker, dp_rank=dp_rank,
                                kv_event_publisher=_EventsToIndex(index, dp_rank))
         self.arrivals: TickArrivals[TraceRequest] = TickArrivals()
         # time-clocked: requests sent to this rank, not yet taken ((send key, request))

@@ -11,8 +11,10 @@ rank, with the two all-gathers replaced by gathering the same values in memory:
 3. the deployment's :class:`~atom.dp.prefill_policy.PrefillDecider` decides once (its state
    is identical on every rank, so one object serves the group), then every rank's
    ``EngineCore.schedule(allow_prefill=...)`` (n-gram drafts included);
-4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; every
-   rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
+4. :func:`~atom.dp.tick.batch_shape` per rank → ``GatheredBatchShape.from_shapes``; a
+   model-based draft's proposals (MTP, early exit: a real run's, replayed by the
+   :class:`~atom.dp.sim.rank.SimWorker`) fill the reserved slots (``EngineCore.run_drafts``);
+   every rank's :class:`~atom.dp.tick.StepCounters` counts the step and the TBO agreement;
 5. the forward is the cost model (:class:`~atom.dp.sim.cost_model.CostModel`): the clock
    advances by the group's step; every rank's real ``EngineCore.execute`` completes its step
    (its :class:`~atom.dp.sim.rank.SimWorker` emits the workload's tokens, its scheduler's
@@ -54,7 +56,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from atom.config import EngineConfig
-from atom.dp.dp_trace import format_row, tick_row, trace_header
+from atom.dp.dp_trace import format_row, spec_counts, spec_since, tick_row, trace_header
 from atom.dp.prefill_decision import Decision
 from atom.dp.prefill_policy import make_prefill_decider
 from atom.dp.router import CacheAwareSettings, DPRouter
@@ -192,8 +194,16 @@ class Simulator:
         """
         scripts = {r.request_id: r.output_token_ids for r in workload
                    if r.output_token_ids is not None}
+        drafts = {r.request_id: r.draft_token_ids for r in workload
+                  if r.draft_token_ids is not None}
+        if self.ranks[0].core.worker.proposes_drafts and not drafts:
+            raise ValueError(f"speculative_method={self.config.speculative_method!r} has no "
+                             f"model to draft with here: give the workload a real run's "
+                             f"recorded drafts (workload.with_drafts(requests, "
+                             f"workload.drafts_from_trace(its --dp-trace folder)))")
         for rank in self.ranks:  # what each request emits (TraceRequest.output_token_ids)
-            rank.core.worker.scripts = scripts
+            rank.core.worker.scripts = scripts  # and drafts (.draft_token_ids)
+            rank.core.worker.drafts = drafts
         if workload_clock(workload) == "tick":
             for request in sorted(workload, key=lambda r: r.arrival_tick):
                 self._dispatch(request).arrivals.hold(request.arrival_tick, request)
@@ -232,8 +242,12 @@ class Simulator:
         scheds = [r.core.schedule(allow_prefill=decision.allow, defer_drafts=True)
                   for r in self.ranks]
         shapes = GatheredBatchShape.from_shapes([
-            batch_shape(s, tbo_eligible=r.core.tbo_eligible(s))
+            batch_shape(s, tbo_eligible=r.core.tbo_eligible(s),
+                        num_draft_tokens=r.core.num_draft_tokens(s))
             for r, s in zip(self.ranks, scheds)])
+        if shapes.max_num_draft_steps:  # a model draft's proposals (replayed), after the exchange
+            for r, s in zip(self.ranks, scheds):
+                r.core.run_drafts(s, num_steps=shapes.max_num_draft_steps)
         tbo = [c.count_step(shapes, is_dummy=s.is_empty)
                for c, s in zip(self.counters, scheds)][0]
         start_s = self.now_s
@@ -244,11 +258,13 @@ class Simulator:
         self.step_log.append((self.tick - 1, cost))
         self.now_s += cost.total_s
         ends_s = [start_s + done for done in cost.rank_done_s]
+        spec_before = [spec_counts(r.scheduler) for r in self.ranks]
         self._complete(scheds, ends_s, tbo=tbo)
+        spec = [spec_since(r.scheduler, before) for r, before in zip(self.ranks, spec_before)]
         self.last_shapes = shapes
         window = None if self.experts is None else self.experts.end_step(self.tick - 1)
         if self.trace is not None:
-            self._trace(gathered, decision, shapes, start_s, ends_s)
+            self._trace(gathered, decision, shapes, start_s, ends_s, spec)
             if window is not None:
                 self.trace.write_event(window.event(tick=self.tick - 1,
                                                     phy2log=self.experts.controller.plan.phy2log))
@@ -281,7 +297,8 @@ class Simulator:
         self.last_shapes = None
 
     def _trace(self, gathered: GatheredControl, decision: Decision, shapes: GatheredBatchShape,
-               start_s: float, ends_s: list[float]) -> None:
+               start_s: float, ends_s: list[float],
+               spec: list[tuple[int, int] | None]) -> None:
         """Every rank's row as a real rank writes it: the tick starts when the rank's last step
         ended (the group's start after an idle gap), its sync ends with the group's (a rank
         that finished early waits there), its step ends with its own forward."""
@@ -293,7 +310,7 @@ class Simulator:
                                          shapes=shapes, start_ns=round(starts[r] * 1e9),
                                          synced_ns=synced_ns, end_ns=round(ends_s[r] * 1e9),
                                          eplb=None if self.experts is None
-                                         else self.experts.row(r)))
+                                         else self.experts.row(r), spec=spec[r]))
         self._rank_ends_s = ends_s
 
     def close(self) -> None:

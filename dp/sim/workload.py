@@ -16,7 +16,11 @@ One line per request, a JSON object::
 - optional ``session_id`` (the router's session) and ``dp_rank`` (a rank hint: pins the rank);
 - optional ``output_token_ids`` (``output_len`` ids): what the simulator emits for the request
   (a real run's outputs, :func:`with_outputs`, so speculative drafts are accepted as they were
-  there); without it every output token is :data:`SIM_OUTPUT_TOKEN_ID`.
+  there); without it every output token is :data:`SIM_OUTPUT_TOKEN_ID`;
+- optional ``draft_token_ids`` (a list of lists): a model-based draft's proposals for the
+  request, one list per verify in order (a real run's, recorded in its DP trace:
+  :func:`drafts_from_trace`, :func:`with_drafts`), which the simulator proposes again (it has
+  no model to draft with: ``speculative_method`` ``mtp`` or ``draft`` needs them).
 
 Generators (seeded, pure): :func:`dp_experiment` (the workload of
 ``scripts/dp_experiment.py``: long prompts pinned to one KV-pressured rank, then bursts),
@@ -53,6 +57,9 @@ class TraceRequest:
     # the tokens the simulator emits for this request (a real run's outputs, so that
     # speculative drafts are accepted as they were there); None: SIM_OUTPUT_TOKEN_ID each
     output_token_ids: tuple[int, ...] | None = None
+    # a model-based draft's proposals, one tuple per verify in order (a real run's recorded
+    # drafts, so the simulator verifies the same ones); None: no recorded drafts
+    draft_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -92,6 +99,29 @@ def with_outputs(requests: Sequence[TraceRequest], outputs: dict[str, Sequence[i
         raise ValueError(f"no outputs for {missing[:5]}")
     return [dataclasses.replace(r, output_token_ids=tuple(outputs[r.request_id]))
             for r in requests]
+
+
+def drafts_from_trace(folder: str | pathlib.Path) -> dict[str, list[list[int]]]:
+    """Request id → the draft tokens a real run's model-based draft proposed for it, one list
+    per verify in tick order: the ``drafts`` events of its DP trace folder
+    (:mod:`atom.dp.dp_trace`; every rank's file)."""
+    from atom.dp.dp_trace import read_trace
+
+    events = sorted((e for trace in read_trace(folder) for e in trace.events
+                     if e["event"] == "drafts"), key=lambda e: e["tick"])
+    drafts: dict[str, list[list[int]]] = {}
+    for event in events:  # a request is on one rank: one event per tick at most
+        for request_id, tokens in event["drafts"].items():
+            drafts.setdefault(request_id, []).append(list(tokens))
+    return drafts
+
+
+def with_drafts(requests: Sequence[TraceRequest], drafts: dict[str, Sequence[Sequence[int]]]
+                ) -> list[TraceRequest]:
+    """``requests`` carrying a run's recorded draft proposals (request id → one list per
+    verify, :func:`drafts_from_trace`; a request that never verified has none)."""
+    return [dataclasses.replace(r, draft_token_ids=tuple(
+        tuple(d) for d in drafts.get(r.request_id, ()))) for r in requests]
 
 
 def vocab_range(vocab_size: int | None = None) -> tuple[int, int]:
@@ -146,6 +176,8 @@ def read_workload(path: str | pathlib.Path) -> list[TraceRequest]:
             prompt = tuple(ids) if ids is not None else synthetic_prompt(rid, int(length))
             if fields.get("output_token_ids") is not None:
                 fields["output_token_ids"] = tuple(fields["output_token_ids"])
+            if fields.get("draft_token_ids") is not None:
+                fields["draft_token_ids"] = tuple(tuple(d) for d in fields["draft_token_ids"])
             request = TraceRequest(rid, prompt, **fields)
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{path}:{number}: {e}") from e
@@ -165,6 +197,8 @@ def write_workload(path: str | pathlib.Path, requests: Iterable[TraceRequest]) -
         fields["prompt_token_ids"] = list(r.prompt_token_ids)
         if r.output_token_ids is not None:
             fields["output_token_ids"] = list(r.output_token_ids)
+        if r.draft_token_ids is not None:
+            fields["draft_token_ids"] = [list(d) for d in r.draft_token_ids]
         lines.append(json.dumps(fields, separators=(",", ":")))
     pathlib.Path(path).write_text("\n".join(lines) + "\n")
 

@@ -76,6 +76,19 @@ def models(tmp_path_factory) -> dict[str, str]:
     return folders
 
 
+def assert_traces_equal(real_folder, sim_folder, *, num_steps: int) -> list:
+    """Every rank's rows of the real and the simulated trace equal in :data:`COMPARED`, one
+    row per step of the real run; returns the real trace."""
+    real_trace, sim_trace = read_trace(real_folder), read_trace(sim_folder)
+    assert len(real_trace) == len(sim_trace)
+    for r, s in zip(real_trace, sim_trace):
+        assert len(r.rows) == len(s.rows) == num_steps
+        for real_row, sim_row in zip(r.rows, s.rows):
+            assert {c: real_row[c] for c in COMPARED} == {c: sim_row[c] for c in COMPARED}, (
+                f"rank {r.dp_rank}, tick {real_row['tick']}")
+    return real_trace
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_simulated_steps_equal_the_real_runs(name, models, tmp_path):
     config = dataclasses.replace(BASE, model=models["moe" if "moe" in name else "dense"],
@@ -88,12 +101,8 @@ def test_simulated_steps_equal_the_real_runs(name, models, tmp_path):
     sim = simulate(workload, config, PROFILE, name=name, trace_dir=tmp_path / "sim",
                    routing=routing)
     assert [r["num_late_arrivals"] for r in real["per_rank"]] == [0, 0]
-    real_trace, sim_trace = read_trace(tmp_path / "real"), read_trace(tmp_path / "sim")
-    for r, s in zip(real_trace, sim_trace):
-        assert len(r.rows) == len(s.rows) == real["num_steps"]
-        for real_row, sim_row in zip(r.rows, s.rows):
-            assert {c: real_row[c] for c in COMPARED} == {c: sim_row[c] for c in COMPARED}, (
-                f"rank {r.dp_rank}, tick {real_row['tick']}")
+    real_trace = assert_traces_equal(tmp_path / "real", tmp_path / "sim",
+                                     num_steps=real["num_steps"])
     assert {k: real[k] for k in COUNTERS} == {k: sim[k] for k in COUNTERS}
     assert real["num_output_tokens"] == sum(r.output_len for r in WORKLOAD)
     # the workload exercises what it claims: KV pressure, mixed steps or holds, TBO splits
@@ -106,5 +115,5 @@ def test_simulated_steps_equal_the_real_runs(name, models, tmp_path):
     if config.enable_eplb:  # windows closed and the placement moved, the same in both
         windows = [[{k: v for k, v in e.items() if not k.endswith("_ms")}  # real clocks
                     for e in t.events if e["event"] == "eplb_window"]
-                   for t in (real_trace[0], sim_trace[0])]
+                   for t in (real_trace[0], read_trace(tmp_path / "sim")[0])]
         assert windows[0] == windows[1] and any(w["rebalanced"] for w in windows[0])
