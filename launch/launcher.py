@@ -265,7 +265,8 @@ def launch(config: LaunchConfig, *, console: TextIO | None = None) -> int:
                                                      f"its ranks: {e}"))
                 raise
             outcome = Supervisor(workers, signals=signals, store=store, watch=watch,
-                                 term_timeout_s=config.term_timeout_s).run()
+                                 term_timeout_s=config.term_timeout_s,
+                                 restart_on_failure=restart_count < config.max_restarts).run()
             if not restarts.should_restart(outcome, restart_count=restart_count,
                                            max_restarts=config.max_restarts, log_dir=log_dir):
                 break

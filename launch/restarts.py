@@ -1,7 +1,8 @@
 """``--max-restarts K``: restart the whole worker group after a rank failure, as torchrun does.
 
-When a worker fails and restarts are left, the launcher stops every worker as it always does
-(:class:`atom.launch.supervisor.Supervisor`), reports the failure as a warning, and starts the
+When a worker fails and restarts are left, the launcher kills every other worker at once
+(SIGKILL: nothing of theirs outlives the group, and the new group waits for them;
+:class:`atom.launch.supervisor.Supervisor`), reports the failure as a warning, and starts the
 group again with ``TORCHELASTIC_RESTART_COUNT`` one higher (the workers rendezvous under keys
 of that start in the store, which outlives the group: :mod:`atom.dp.groups`). Each start
 writes its own logs (``rank<N>.stderr.log``, then ``rank<N>.restart<k>.stderr.log``). With no

@@ -102,8 +102,13 @@ class Supervisor:
     """The event loop of one launcher: owns the running workers until all have exited."""
 
     def __init__(self, workers: Sequence[WorkerProcess], *, signals: StopSignals,
-                 store: LaunchStore, term_timeout_s: float, watch: NodeWatch | None = None):
+                 store: LaunchStore, term_timeout_s: float, watch: NodeWatch | None = None,
+                 restart_on_failure: bool = False):
         self.workers, self.signals, self.store = workers, signals, store
+        # a restart follows a rank's failure (--max-restarts, restarts left): the other ranks
+        # are killed at once, since nothing of theirs outlives the group (the front end that
+        # resumes the requests runs in a session of its own) and the new group waits for them
+        self.restart_on_failure = restart_on_failure
         self.node_rank, self.term_timeout_s = store.node_rank, term_timeout_s
         self.watch = watch  # node 0 of several: the other nodes' heartbeats
         self.outcome = Outcome()
@@ -184,7 +189,10 @@ class Supervisor:
         self.store.publish_stop(StopRecord(node_rank=self.node_rank,
                                            reason=failure.describe(), rank=failure.rank,
                                            exit_code=failure.exit_code))
-        self._stop(f"rank {w.spec.rank} failed with exit code {code}")
+        if self.restart_on_failure:
+            self._kill(f"rank {w.spec.rank} failed with exit code {code}, for a restart")
+        else:
+            self._stop(f"rank {w.spec.rank} failed with exit code {code}")
 
     def _on_signals(self) -> None:
         """The first stop signal stops the workers gracefully; any later one (a second
