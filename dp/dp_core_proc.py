@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     from atom.dp.groups import DPGroups
     from atom.dp.prefill_policy import PrefillDecider
     from atom.dp.sync import GatheredBatchShape
-    from atom.core.scheduler import SchedulerOutput
+    from atom.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class PrefillSource(Protocol):
 
     block_manager: _KVPool
 
-    def preview_admission(self): ...  # -> atom.core.scheduler.AdmissionPreview
+    def preview_admission(self): ...  # -> atom.core.scheduler_output.AdmissionPreview
 
     def has_pending_prefill(self) -> bool: ...
 

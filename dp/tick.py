@@ -32,7 +32,7 @@ from atom.dp.prefill_policy import PrefillSource, local_prefill_inputs
 from atom.dp.sync import BatchShape, ControlState, GatheredBatchShape, GatheredControl, PrefillInputs
 
 if TYPE_CHECKING:
-    from atom.core.scheduler import SchedulerOutput
+    from atom.core.scheduler_output import SchedulerOutput
 
 T = TypeVar("T")
 

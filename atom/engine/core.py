@@ -46,7 +46,8 @@ import logging
 from atom.config import EngineConfig
 from atom.core.block_manager import BlockManager
 from atom.core.kv_connector import KVConnectorScheduler
-from atom.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from atom.core.scheduler import Scheduler, SchedulerConfig
+from atom.core.scheduler_output import SchedulerOutput
 from atom.core.seq_outputs import finish_output
 from atom.core.sequence import FinishReason, Sequence
 from atom.core.structured_output import StructuredOutputManager

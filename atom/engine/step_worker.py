@@ -9,7 +9,7 @@ from typing import Protocol
 
 from atom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from atom.core.model_runner_output import ModelRunnerOutput
-from atom.core.scheduler import SchedulerOutput
+from atom.core.scheduler_output import SchedulerOutput
 from atom.core.sequence import Sequence
 from atom.messages import EngineRuntime
 

@@ -29,7 +29,7 @@ import torch
 from atom.config import EngineConfig
 from atom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVLayout
 from atom.core.model_runner_output import ModelRunnerOutput
-from atom.core.scheduler import SchedulerOutput
+from atom.core.scheduler_output import SchedulerOutput
 from atom.core.sequence import Sequence
 from atom.kv_cache_spec import describe_groups, describe_layers, kv_cache_groups
 from atom.layers.moe import ExpertShard, moe_layers

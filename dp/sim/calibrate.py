@@ -150,7 +150,7 @@ def _run_point(worker, block_manager, point: dict, timer: _MLPTimer, vocab_size:
                ) -> tuple[float, float, list[MicroBatch]]:
     """One timed ``Worker.execute_model`` (forward + sampling) of ``point``: seconds, MLP
     seconds, its micro-batches."""
-    from atom.core.scheduler import SchedulerOutput
+    from atom.core.scheduler_output import SchedulerOutput
     from atom.core.tbo_split import split_batch
 
     entries = _entries(point, block_manager, vocab_size)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from atom.config import EngineConfig
 from atom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from atom.core.model_runner_output import ModelRunnerOutput
-from atom.core.scheduler import SchedulerOutput
+from atom.core.scheduler_output import SchedulerOutput
 from atom.core.sequence import Sequence
 from atom.core.tbo_split import split_batch
 from atom.dp.sim.cost_model import MicroBatch, micro_batch

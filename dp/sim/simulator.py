@@ -67,7 +67,7 @@ from atom.dp.sim.workload import TraceRequest, workload_clock
 from atom.dp.sync import GatheredBatchShape, GatheredControl
 from atom.dp.tick import StepCounters, TickAction, batch_shape, control_state, tick_action
 from atom.engine.kv_subscriber import KVCacheIndex, wire_block_hashes
-from atom.core.scheduler import SchedulerOutput
+from atom.core.scheduler_output import SchedulerOutput
 
 DEFAULT_MAX_TICKS = 10_000_000  # a runaway guard, far above any workload's need
 STEP_WAIT_S = 1.0  # LLMEngine.step()'s longest wait for outputs (atom.engine.llm_engine)

@@ -14,7 +14,8 @@ import pytest
 from atom.core.model_runner_output import ModelRunnerOutput
 from atom.core.block_manager import BlockManager
 from atom.sampling_params import SamplingParams
-from atom.core.scheduler import AdmissionPreview, Scheduler, SchedulerConfig, SchedulerOutput
+from atom.core.scheduler import Scheduler, SchedulerConfig
+from atom.core.scheduler_output import AdmissionPreview, SchedulerOutput
 from atom.core.sequence import FinishReason, Sequence, SequenceStatus
 
 BS = 4
