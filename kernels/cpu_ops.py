@@ -39,7 +39,7 @@ OP_NAMES = ("paged_decode_attention", "paged_prefill_attention_", "rms_norm",
             "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_", "logsumexp_argmax",
             "gguf_linear",
             "gguf_gemm_tiled", "gguf_gemm_tiled_is_simd", "llama_decode_layer_", "fused_moe",
-            "fused_moe_is_simd", "small_linear")
+            "fused_moe_is_simd", "fused_moe_packed", "fused_moe_packed_is_available", "small_linear")
 
 
 class CpuOps:

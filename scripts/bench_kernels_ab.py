@@ -1,5 +1,6 @@
 """This tree's CPU kernel paths against a git ref's (default ``main``), timed alternately in one
-process (issue 37): per op on the embedded model's shapes, then W1 and a single-request decode
+process (issue 37): per op on the embedded model's shapes (and the routed experts on bench_moe.py's two MoE shapes),
+then W1 and a single-request decode
 through one in-process engine with the paths switched between runs.
 
 The machine is shared, so neither side is timed in a block of its own: every repetition times
@@ -12,13 +13,17 @@ another that a crowded machine adds too).
 The base is ``kernels/csrc`` at ``--base`` compiled again as it was (``-march=native``, the
 build's flags), with its op library renamed ``atom_kernels_base`` so both load into one process
 (cached under ``~/.cache/atom/kernels_base/<tree>``, by the hash of its ``kernels/csrc``), driven the way the base's Python
-wrappers drove it. For a base older than issue 37 that means, per run dtype:
+wrappers drove it; what it lacked is probed when it loads. For a base older than issue 37 that
+means, per run dtype:
 
 - float32: the base's kernels for everything, its decode attention on a contiguous copy of q;
 - bfloat16: the torch references for RMSNorm, rotary and SiLU-and-mul (its fused kernels took
   float32 only), its decode kernel with float32 output converted back to bf16 (``.to``);
 - both: prefill attention as one SDPA per sequence
   (:func:`atom.kernels.attention.paged_prefill_attention_reference`).
+
+A newer base runs its own kernels for all of these. The MoE rows compare the base's
+``fused_moe`` on stacked rows with what this tree's :class:`atom.layers.moe.MoE` runs fused.
 
     .venv/bin/python scripts/bench_kernels_ab.py [--dtype auto] [--base main] [--reps 30] \\
         [--w1-pairs 3] [--num-prompts 64] [--max-tokens 128] [--num-threads N]
@@ -86,53 +91,67 @@ def build_base(ref: str):
 class BaseOps:
     """The base's ops as this tree's callers see them (``cpu_ops.load()`` returns this object
     inside :func:`base_paths`): each runs what the base ran for the same call, the base's kernel
-    or, where the base had none for the dtype, the torch reference."""
+    or, where the base had none for the dtype (probed: before issue 37 the fused ops took float32
+    only), the torch reference. Ops not named here are the base's own."""
 
     def __init__(self) -> None:
         import torch
 
-        ns = getattr(torch.ops, BASE_NAMESPACE)
-        self._ops = {name: getattr(ns, name).default for name in (
+        self._ns = getattr(torch.ops, BASE_NAMESPACE)
+        self._ops = {name: getattr(self._ns, name).default for name in (
             "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_",
             "logsumexp_argmax", "paged_decode_attention")}
         self.logsumexp_argmax = self._ops["logsumexp_argmax"]
+        try:
+            self._ops["rms_norm"](torch.ones(1, 32, dtype=torch.bfloat16),
+                                  torch.ones(32, dtype=torch.bfloat16), 1e-5)
+            self._fused_bf16 = True
+        except RuntimeError:
+            self._fused_bf16 = False
+        #: whether the base had the paged prefill attention kernel (else one SDPA per sequence)
+        self.has_prefill_kernel = hasattr(self._ns, "paged_prefill_attention_")
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._ns, name).default
+
+    def _has_fused(self, x) -> bool:
+        import torch
+
+        return x.dtype == torch.float32 or self._fused_bf16
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale,
                                sinks=None, sliding_window=None):
-        """The base's kernel (float32 out, converted back); it has no sinks or window, which a
-        family without them never passes."""
-        assert sinks is None and sliding_window is None, "the base kernel has no sinks/window"
+        """The base's kernel (float32 out before issue 37: converted back); a base without
+        sinks or a window is never passed them by a family without them."""
+        if sinks is None and sliding_window is None:
+            return self._ops["paged_decode_attention"](q, k_cache, v_cache, block_tables,
+                                                       context_lens, scale).to(q.dtype)
         return self._ops["paged_decode_attention"](q, k_cache, v_cache, block_tables,
-                                                   context_lens, scale).to(q.dtype)
+                                                   context_lens, scale, sinks, sliding_window)
 
     def rms_norm(self, x, weight, eps):
         from atom.kernels import fused
 
-        if _base_has_fused(x):
+        if self._has_fused(x):
             return self._ops["rms_norm"](x, weight, eps)
         return fused.rms_norm_reference(x, weight, eps)
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
         from atom.kernels import fused
 
-        if _base_has_fused(x):
+        if self._has_fused(x):
             return self._ops["fused_add_rms_norm"](x, residual, weight, eps)
         return fused.rms_norm_reference(residual.add_(x), weight, eps)
 
     def silu_and_mul(self, x):
-        return self._ops["silu_and_mul"](x) if _base_has_fused(x) else _reference_silu_and_mul(x)
+        return self._ops["silu_and_mul"](x) if self._has_fused(x) else _reference_silu_and_mul(x)
 
     def rotary_embedding_(self, qkv, cos, sin, num_heads, num_kv_heads):
-        if _base_has_fused(qkv):
+        if self._has_fused(qkv):
             return self._ops["rotary_embedding_"](qkv, cos, sin, num_heads, num_kv_heads)
         return _reference_rotary(qkv, cos, sin, num_heads, num_kv_heads)
-
-
-def _base_has_fused(x) -> bool:
-    """Whether the base had a fused kernel for ``x`` (float32 only, before issue 37)."""
-    import torch
-
-    return x.dtype == torch.float32
 
 
 def base_prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out, sinks=None,
@@ -154,7 +173,8 @@ def base_paths(base_ops: BaseOps):
 
     saved = cpu_ops.load, attention.prefill_attention
     cpu_ops.load = lambda: base_ops
-    attention.prefill_attention = base_prefill_attention
+    if not base_ops.has_prefill_kernel:
+        attention.prefill_attention = base_prefill_attention
     try:
         yield
     finally:
@@ -209,11 +229,50 @@ def op_cases(dtype, base_ops: BaseOps, gen):
     q, k, v, k_cache, v_cache, meta = _prefill_case(dtype, num_seqs=16, prompt_len=128, gen=gen)
     out = torch.empty_like(q)
     scale = HEAD_DIM ** -0.5
-    cases.append(("prefill attention, 16 seqs x 128 new tokens",
-                  lambda: base_prefill_attention(q, k, v, k_cache, v_cache, meta, scale=scale,
-                                                 out=out),
+
+    def base_prefill():
+        with base_paths(base_ops):
+            attention.prefill_attention(q, k, v, k_cache, v_cache, meta, scale=scale, out=out)
+
+    cases.append(("prefill attention, 16 seqs x 128 new tokens", base_prefill,
                   lambda: attention.prefill_attention(q, k, v, k_cache, v_cache, meta,
                                                       scale=scale, out=out)))
+    return cases + moe_cases(dtype, base_ops, gen)
+
+
+# bench_moe.py's two expert shapes: (hidden, expert width, experts, top-k)
+MOE_SHAPES = {"qwen3-moe": (1024, 128, 32, 4), "deepseek-v3": (1024, 256, 16, 4)}
+MOE_LAYERS = 8  # one case runs this many layers' weights in turn, so they come from memory
+
+
+def moe_cases(dtype, base_ops: BaseOps, gen):
+    """The routed experts of :data:`MOE_LAYERS` layers, as :class:`atom.layers.moe.MoE` runs them
+    fused (base: the base's ``fused_moe`` on stacked rows; new: this tree's choice, the packed
+    blocks where :func:`atom.kernels.moe.packed_layout_applies`), at 1-2,048 tokens routed
+    softmax-top-k over random logits."""
+    import torch
+
+    from atom.kernels import moe
+
+    cases = []
+    for family, (hidden, inter, experts, top_k) in MOE_SHAPES.items():
+        rows = [((torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype),
+                 (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype))
+                for _ in range(MOE_LAYERS)]
+        if moe.packed_layout_applies(dtype, hidden, inter):
+            layers = [moe.pack_experts(w13, w2) for w13, w2 in rows]
+            run = moe.fused_moe_packed
+        else:
+            layers, run = rows, moe.fused_moe
+        for tokens in (1, 8, 64, 512, 2048):
+            x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+            probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
+            gates, ids = torch.topk(probs, top_k, dim=-1)
+            cases.append((f"MoE experts {family}, {tokens} tok x {MOE_LAYERS} layers",
+                          lambda x=x, ids=ids, g=gates: [base_ops.fused_moe(x, w13, w2, ids, g)
+                                                         for w13, w2 in rows],
+                          lambda x=x, ids=ids, g=gates, run=run, layers=layers:
+                          [run(x, a, b, ids, g) for a, b in layers]))
     return cases
 
 

@@ -40,7 +40,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from atom.kernels.moe import fused_moe, fused_moe_applies
+from atom.kernels.moe import (fused_moe, fused_moe_applies, fused_moe_packed, pack_experts,
+                              packed_layout_applies)
 from atom.layers.linear import Linear
 from atom.layers.mlp import GatedMLP
 
@@ -84,22 +85,51 @@ class ExpertPlacement(Protocol):
 
 class FusedExperts(nn.Module):
     """A layer's local :class:`~atom.layers.mlp.GatedMLP` experts as two stacked weights, run
-    in one compiled call (:func:`atom.kernels.moe.fused_moe`). :meth:`MoE.fuse_experts` builds
-    it; the experts' own ``weight`` parameters are then views of these rows, so the weights are
-    held once.
+    in one compiled call. :meth:`MoE.fuse_experts` builds it. Two layouts, the weights held once
+    in either:
 
-    Attributes: ``w13`` ``[E_local, 2 * intermediate, hidden]`` (gate rows, then up),
-    ``w2`` ``[E_local, hidden, intermediate]``, run dtype, contiguous.
+    - rows (``packed`` False): ``w13`` ``[E_local, 2 * intermediate, hidden]`` (gate rows, then
+      up) and ``w2`` ``[E_local, hidden, intermediate]``, run dtype, contiguous, run by
+      :func:`atom.kernels.moe.fused_moe`; the experts' own ``weight`` parameters are views of
+      these rows;
+    - packed (``packed`` True, bfloat16 where
+      :func:`~atom.kernels.moe.packed_layout_applies`): ``w13`` ``[E_local, I/16, H/2, 32, 2]``
+      and ``w2`` ``[E_local, H/32, I/2, 32, 2]`` (:func:`~atom.kernels.moe.pack_experts`), run by
+      :func:`~atom.kernels.moe.fused_moe_packed` (oneDNN's brgemm, AMX tiles where the CPU has
+      them); the experts' linears read their weights back from these blocks on demand
+      (:class:`PackedExpertRows`: EPLB's moves, checks).
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, packed: bool = False) -> None:
         super().__init__()
-        self.w13, self.w2 = w13, w2
+        self.w13, self.w2, self.packed = w13, w2, packed
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """x ``[N, hidden]``, local expert ids int64 ``[N, k]`` (outside ``[0, E_local)``:
         another rank's), gates float32 ``[N, k]`` → ``[N, hidden]`` in x's dtype."""
+        if self.packed:
+            return fused_moe_packed(x, self.w13, self.w2, ids, gates)
         return fused_moe(x, self.w13, self.w2, ids, gates)
+
+
+class PackedExpertRows:
+    """One expert's ``gate_up_proj`` or ``down_proj`` weight inside a layer's packed blocks
+    (:class:`FusedExperts`, packed): what the expert's :class:`~atom.layers.linear.Linear` holds
+    as its ``packed_weight`` then, so :meth:`~atom.layers.linear.Linear.dense_weight` reads the
+    ``[out, in]`` rows back (a new tensor) and nothing holds them twice. The expert's own forward
+    does not run on it (the layer's fused call does)."""
+
+    def __init__(self, blocks: torch.Tensor, index: int, *, gate_up: bool) -> None:
+        self.blocks, self.index, self.gate_up = blocks, index, gate_up
+        self.dtype, self.device = blocks.dtype, blocks.device
+
+    def to_dense(self) -> torch.Tensor:
+        b = self.blocks[self.index].permute(0, 2, 1, 3)  # [N/32, 32, K/2, 2]
+        rows = b.reshape(b.shape[0], 32, -1)
+        if not self.gate_up:
+            return rows.reshape(-1, rows.shape[-1]).contiguous()
+        hidden = rows.shape[-1]
+        return torch.cat([rows[:, :16].reshape(-1, hidden), rows[:, 16:].reshape(-1, hidden)])
 
 
 # ----- routing -----
@@ -236,7 +266,9 @@ class MoE(nn.Module):
         """Run the local experts as one :class:`FusedExperts` call from now on, where they are
         plain :class:`~atom.layers.mlp.GatedMLP` s on float weights and
         :func:`~atom.kernels.moe.fused_moe_applies` (AVX-512 CPU builds); each expert's linear
-        weights become views of its rows (oneDNN's packed copies dropped). Call it again after
+        weights become views of its rows (oneDNN's packed copies dropped), or, where
+        :func:`~atom.kernels.moe.packed_layout_applies` (bfloat16, AVX512-BF16 builds), read
+        back from the layer's packed blocks on demand (:class:`PackedExpertRows`). Call it again after
         the local experts change (:meth:`shard_experts`, an EPLB move); it keeps the same
         :class:`FusedExperts` module. Returns whether the layer is fused."""
         experts = list(self.local_experts)
@@ -248,13 +280,24 @@ class MoE(nn.Module):
             return False
         w13 = torch.stack([e.gate_up_proj.dense_weight() for e in experts])
         w2 = torch.stack([e.down_proj.dense_weight() for e in experts])
+        packed = packed_layout_applies(w13.dtype, self.hidden_size, self.intermediate_size,
+                                       w13.device)
+        if packed:  # the stacked rows are dropped when this returns
+            w13, w2 = pack_experts(w13, w2)
         for i, expert in enumerate(experts):
-            expert.gate_up_proj.set_weight(w13[i])
-            expert.down_proj.set_weight(w2[i])
+            if packed:
+                for linear, blocks, gate_up in ((expert.gate_up_proj, w13, True),
+                                                (expert.down_proj, w2, False)):
+                    linear.weight, linear.small_rows = None, 0
+                    linear.packed_weight = PackedExpertRows(blocks, i, gate_up=gate_up)
+            else:
+                expert.gate_up_proj.set_weight(w13[i])
+                expert.down_proj.set_weight(w2[i])
         if self.fused_experts is None:
-            self.fused_experts = FusedExperts(w13, w2)
+            self.fused_experts = FusedExperts(w13, w2, packed=packed)
         else:
             self.fused_experts.w13, self.fused_experts.w2 = w13, w2
+            self.fused_experts.packed = packed
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

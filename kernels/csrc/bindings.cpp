@@ -41,6 +41,10 @@ TORCH_LIBRARY(atom_kernels, m) {
   // The routed experts of a MoE layer in one call: silu-gated MLPs weighted by the gates.
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor ids, Tensor gates) -> Tensor");
   m.def("fused_moe_is_simd() -> bool", &atom_kernels::fused_moe_is_simd);
+  // The same on bf16 weights packed for oneDNN's brgemm (AMX tiles above a few tokens/expert).
+  m.def("fused_moe_packed(Tensor x, Tensor w13p, Tensor w2p, Tensor ids, Tensor gates, "
+        "int max_small_tokens) -> Tensor");
+  m.def("fused_moe_packed_is_available() -> bool", &atom_kernels::fused_moe_packed_is_available);
   // x @ W.T (+ bias) for weights too small for a oneDNN call's fixed cost (MoE routers).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("llama_decode_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
@@ -62,5 +66,6 @@ TORCH_LIBRARY_IMPL(atom_kernels, CPU, m) {
   m.impl("gguf_gemm_tiled", &gguf_gemm_tiled);
   m.impl("llama_decode_layer_", &llama_decode_layer_);
   m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_packed", &fused_moe_packed);
   m.impl("small_linear", &small_linear);
 }

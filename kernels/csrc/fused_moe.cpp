@@ -34,6 +34,7 @@
 #include <c10/util/Exception.h>
 
 #include "dot_block.h"
+#include "expert_pairs.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -92,19 +93,10 @@ void fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::Tensor
   const float* gp = gates.data_ptr<float>();
   float* out = sum.data_ptr<float>();
 
-  // counting sort of the local pairs by expert: order[offset[e] ..] are expert e's pair indices
-  std::vector<int64_t> offset(E + 1, 0);
-  for (int64_t p = 0; p < T_ * k; ++p)
-    if (idp[p] >= 0 && idp[p] < E) ++offset[idp[p] + 1];
-  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
-  const int64_t pairs = offset[E];
+  const ExpertPairs sorted(idp, T_ * k, E);
+  const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order, &active = sorted.active;
+  const int64_t pairs = sorted.pairs;
   if (pairs == 0) return;
-  std::vector<int64_t> order(pairs), fill(offset.begin(), offset.end() - 1);
-  for (int64_t p = 0; p < T_ * k; ++p)
-    if (idp[p] >= 0 && idp[p] < E) order[fill[idp[p]]++] = p;
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (offset[e + 1] > offset[e]) active.push_back(e);
   const int64_t num_active = static_cast<int64_t>(active.size());
 
   at::Tensor act_t = at::empty({pairs, I}, x.options());

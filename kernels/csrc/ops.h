@@ -108,6 +108,16 @@ at::Tensor fused_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor ids
 // Whether fused_moe (and small_linear) were built with their AVX-512 path (else a scalar loop).
 bool fused_moe_is_simd();
 
+// fused_moe on bfloat16 weights packed for brgemm (fused_moe_packed.cpp): w13p
+// [E, I/16, H/2, 32, 2], w2p [E, H/32, I/2, 32, 2] (atom.kernels.moe.pack_experts); an expert
+// with more than max_small_tokens tokens runs oneDNN's brgemm (AMX tiles where the CPU has them),
+// one with fewer a VDPBF16PS kernel. Same result contract as fused_moe, bfloat16 only.
+at::Tensor fused_moe_packed(at::Tensor x, at::Tensor w13p, at::Tensor w2p, at::Tensor ids,
+                            at::Tensor gates, int64_t max_small_tokens);
+
+// Whether fused_moe_packed runs here: built with AVX512-BF16 and oneDNN enabled in torch.
+bool fused_moe_packed_is_available();
+
 // x [M, K] (rows contiguous) @ weight.T (+ bias) for small weights (small_linear.cpp): weight
 // [N, K] contiguous and bias [N] in x's dtype (float32 or bfloat16); [M, N] in x's dtype,
 // float32 sums rounded once.

@@ -175,3 +175,30 @@ def test_tiny_mixtral_matches_transformers(tmp_path):
         ours = ours_greedy(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
     check_greedy_close(ours, reference, name="tiny mixtral, one rank")
     assert_logprobs_close(ours, reference)
+
+
+@torch.inference_mode()
+def test_bfloat16_experts_run_packed_where_the_kernels_have_avx512_bf16_and_hold_weights_once():
+    from atom.kernels.moe import packed_layout_applies
+    if not packed_layout_applies(torch.bfloat16, 64, 32):
+        pytest.skip("packed experts need a kernels build with AVX512-BF16 (this CPU has none)")
+    torch.manual_seed(0)
+    ours = MoE(hidden_size=64, intermediate_size=32, num_experts=6, top_k=2).bfloat16()
+    for p in ours.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32).mul(0.2))
+    rows = [(e.gate_up_proj.dense_weight().clone(), e.down_proj.dense_weight().clone())
+            for e in ours.local_experts]
+    x = torch.randn(24, 64).bfloat16()
+    ids, gates = ours.route(x)
+    unfused = ours.experts(x, ids, gates)
+    assert ours.fuse_experts() and ours.fused_experts.packed
+    out = ours.experts(x, ids, gates)
+    torch.testing.assert_close(out.double(), unfused.double(), rtol=0,
+                               atol=1.5e-2 * float(unfused.abs().max()))
+    for (gate_up, down), expert in zip(rows, ours.local_experts):  # read back from the blocks
+        assert expert.gate_up_proj.weight is None and expert.down_proj.weight is None
+        assert torch.equal(expert.gate_up_proj.dense_weight(), gate_up)
+        assert torch.equal(expert.down_proj.dense_weight(), down)
+    ours.shard_experts(2, 6)  # a later shard packs the kept experts again
+    assert ours.fused_experts.w13.shape[0] == 4
+    assert torch.equal(ours.local_experts[0].down_proj.dense_weight(), rows[2][1])
