@@ -19,6 +19,8 @@ Imports torch only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +43,7 @@ def fused_moe_applies(dtype: torch.dtype, device: torch.device | str = "cpu") ->
 MAX_SMALL_TOKENS = 4
 
 
+@functools.cache
 def amx_usable() -> bool:
     """Whether this CPU has AMX tiles and this process may use them (then brgemm runs on
     tiles). The tile-data permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) is
@@ -104,7 +107,11 @@ def fused_moe_packed(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor, ids
     Args:
         x: ``[T, H]`` bfloat16, rows contiguous; ``ids`` int64 ``[T, k]``; ``gates`` ``[T, k]``.
     Returns:
-        ``[T, H]`` bfloat16, as :func:`fused_moe` (float32 sums, bf16 activations).
+        ``[T, H]`` bfloat16, as :func:`fused_moe` (float32 sums, bf16 activations). A token's
+        sum over its slots does not depend on their order; an expert's output does depend on
+        the path its token count picks (the two sum in different orders, and AMX tiles round
+        their pairs their own way), so when EPLB splits an expert's tokens over replicas a
+        token's bf16 output may change in its last bits (the float32 rows kernel's does not).
     Raises:
         RuntimeError: the kernels lack the path (no AVX512-BF16 build, oneDNN off), or the shapes
             or dtypes are not the above.

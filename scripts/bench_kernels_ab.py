@@ -121,15 +121,25 @@ class BaseOps:
 
         return x.dtype == torch.float32 or self._fused_bf16
 
+    def _current(self, name: str, *args):
+        """The base's op ``name`` as this tree calls it (a base with the bf16 kernels has
+        today's signatures)."""
+        return getattr(self._ns, name).default(*args)
+
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale,
-                               sinks=None, sliding_window=None):
-        """The base's kernel (float32 out before issue 37: converted back); a base without
-        sinks or a window is never passed them by a family without them."""
-        if sinks is None and sliding_window is None:
-            return self._ops["paged_decode_attention"](q, k_cache, v_cache, block_tables,
-                                                       context_lens, scale).to(q.dtype)
+                               sinks=None, sliding_window=None, *new_kv):
+        """The base's kernel; before issue 37 it had no sinks, window or K/V write (a family
+        without them never passes them; the write is done first) and returned float32."""
+        if self._fused_bf16:
+            return self._current("paged_decode_attention", q, k_cache, v_cache, block_tables,
+                                  context_lens, scale, sinks, sliding_window, *new_kv)
+        assert sinks is None and sliding_window is None, "the base kernel has no sinks/window"
+        if new_kv and new_kv[0] is not None:
+            from atom.kernels.attention import write_kv
+
+            write_kv(k_cache, v_cache, *new_kv)
         return self._ops["paged_decode_attention"](q, k_cache, v_cache, block_tables,
-                                                   context_lens, scale, sinks, sliding_window)
+                                                   context_lens, scale).to(q.dtype)
 
     def rms_norm(self, x, weight, eps):
         from atom.kernels import fused
@@ -148,7 +158,12 @@ class BaseOps:
     def silu_and_mul(self, x):
         return self._ops["silu_and_mul"](x) if self._has_fused(x) else _reference_silu_and_mul(x)
 
-    def rotary_embedding_(self, qkv, cos, sin, num_heads, num_kv_heads):
+    def rotary_embedding_(self, qkv, cos, sin, num_heads, num_kv_heads, q_norm=None, k_norm=None,
+                          eps=1e-6):
+        if self._fused_bf16:
+            return self._current("rotary_embedding_", qkv, cos, sin, num_heads, num_kv_heads,
+                                 q_norm, k_norm, eps)
+        assert q_norm is None and k_norm is None, "the base kernel has no QK-norm"
         if self._has_fused(qkv):
             return self._ops["rotary_embedding_"](qkv, cos, sin, num_heads, num_kv_heads)
         return _reference_rotary(qkv, cos, sin, num_heads, num_kv_heads)
